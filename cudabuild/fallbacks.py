@@ -1,0 +1,54 @@
+"""Which aten fallback kernels a compile emits, and which of them the CUDA runtime can run.
+
+AOTInductor calls ops it does not generate code for through C shims (`aoti_torch_cuda_<op>`) or
+a runtime op lookup. ExecuTorch's CUDA runtime implements only a handful of them, so a .so that
+calls any other would fail at load time on the device. The collector records every fallback the
+C++ wrapper emits while it is active; the compile stage turns unsupported ones into one error
+that lists them all. Patches are scoped to the `with` block and undone on error too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+# The fallbacks ExecuTorch 1.4.1's CUDA runtime provides.
+CUDA_SUPPORTED = frozenset({
+    "at::_ops::_weight_int4pack_mm::call",
+    "at::_ops::sort_stable::call",
+    "aoti_torch_cuda_randint_low_out",
+    "executorch_cuda::int4_plain_mm", "aoti_torch_cuda_int4_plain_mm",
+    "executorch_cuda::int5_plain_mm", "aoti_torch_cuda_int5_plain_mm",
+    "executorch_cuda::int6_plain_mm", "aoti_torch_cuda_int6_plain_mm",
+    "executorch_cuda::int8_plain_mm", "aoti_torch_cuda_int8_plain_mm",
+})
+
+
+@contextlib.contextmanager
+def collect_fallbacks() -> Iterator[set]:
+    """Yields the set that fills with every fallback kernel name emitted inside the block."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    seen: set[str] = set()
+    shim_call = CppWrapperCpu.generate_c_shim_extern_kernel_call
+    runtime_lookup = CppWrapperCpu.generate_fallback_kernel_with_runtime_lookup_aot
+
+    def recording_shim_call(self, kernel, *args, **kwargs):
+        seen.add(str(kernel))
+        return shim_call(self, kernel, *args, **kwargs)
+
+    def recording_runtime_lookup(self, op_overload, *args, **kwargs):
+        seen.add(getattr(op_overload, "_name", str(op_overload)))
+        return runtime_lookup(self, op_overload, *args, **kwargs)
+
+    CppWrapperCpu.generate_c_shim_extern_kernel_call = recording_shim_call
+    CppWrapperCpu.generate_fallback_kernel_with_runtime_lookup_aot = recording_runtime_lookup
+    try:
+        yield seen
+    finally:
+        CppWrapperCpu.generate_c_shim_extern_kernel_call = shim_call
+        CppWrapperCpu.generate_fallback_kernel_with_runtime_lookup_aot = runtime_lookup
+
+
+def unsupported_on_cuda(kernels: set[str]) -> list[str]:
+    return sorted(k for k in kernels if k not in CUDA_SUPPORTED)

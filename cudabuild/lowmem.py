@@ -1,0 +1,348 @@
+"""Low-memory AOTInductor compile: keep zero KV caches and mutated-buffer clones off the device.
+
+Owns the low-memory behaviour of ExecuTorch's CUDA backend as separate, scoped pieces:
+- which buffers are KV-cache content that may be freed (`is_kv_cache_buffer`),
+- moving a program to the device with those buffers' storage freed (`move_program_to_device`),
+- the compile-time patches of inductor that clone mutated buffers onto the CPU and re-create the
+  freed caches as zeros (`compile_time_cpu_clones`),
+- freeing a compiled program's device storage before the next method (`release_device_tensors`).
+
+Must not touch: inductor config or os.environ. The patches are process-wide while the context is
+open (inductor serialises constants from worker threads, so they cannot be thread-local), and
+they are all undone when it closes; do not compile an unrelated program in another thread
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from typing import Any, Iterator, Mapping, Union
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+Device = Union[str, torch.device]
+
+KV_CACHE_MARKER = "kv_cache"
+
+
+class LowMemoryPatchError(RuntimeError):
+    """Inductor no longer has a function, or a call, that the low-memory patches rely on."""
+
+
+def is_kv_cache_buffer(fqn: str, tensor: Any) -> bool:
+    """True for KV-cache content that may be freed and re-created as zeros.
+
+    Only a buffer (not a Parameter) whose FQN contains `kv_cache`, with elements, not on the meta
+    device, and all zeros. The zero test is what keeps non-zero constants that cache modules
+    register beside the cache (codebooks, rotations) intact whatever they are called.
+    """
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch.nn.Parameter):
+        return False
+    if KV_CACHE_MARKER not in fqn or tensor.numel() == 0 or tensor.is_meta:
+        return False
+    return not bool(torch.any(tensor))
+
+
+def _is_emptied(value: Any) -> bool:
+    """A tensor with elements whose storage was freed with `resize_(0)`."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.numel() > 0
+        and not value.is_meta
+        and value.untyped_storage().nbytes() == 0
+    )
+
+
+def _storage_span(x: torch.Tensor) -> int:
+    """Elements of storage that `x`'s sizes and strides reach, from its offset."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(x.size(), x.stride()))
+
+
+def _zeros_preserving_strides(x: torch.Tensor, device: Device) -> torch.Tensor:
+    flat = torch.zeros(_storage_span(x), dtype=x.dtype, device=device)
+    return torch.as_strided(flat, x.size(), x.stride())
+
+
+def _copy_preserving_strides(x: torch.Tensor, device: Device) -> torch.Tensor:
+    # Copy only the span x reaches, straight to `device`: no transient clone on x's device.
+    span = torch.as_strided(x, (_storage_span(x),), (1,))
+    flat = span.to(device, copy=True)
+    return torch.as_strided(flat, x.size(), x.stride())
+
+
+def _emptied_like(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x`'s shape, strides and dtype on `device`, with no storage."""
+    # empty_strided allocates before the resize frees it: the transient is this one buffer.
+    t = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _point_graph_at_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Retarget burnt-in device kwargs, `aten.to.device` targets and meta vals to `device`."""
+    target = str(device)
+
+    def retarget(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if "device" in node.kwargs:
+                node.kwargs = {**node.kwargs, "device": target}
+            if node.op == "call_function" and node.target is torch.ops.aten.to.device:
+                args = list(node.args)
+                args[1] = target
+                node.args = tuple(args)
+            node.meta["val"] = pytree.tree_map(retarget, node.meta.get("val"))
+
+
+def move_program_to_device(
+    ep: ExportedProgram, device: Device, *, low_memory: bool
+) -> ExportedProgram:
+    """Move `ep` (in place, and return it) to `device` for an AOTI compile.
+
+    Without `low_memory` this is `torch.export.passes.move_to_device_pass`. With it, the moves are
+    the same except that KV-cache content (`is_kv_cache_buffer`) is placed on `device` with its
+    storage freed, one tensor at a time: device checks on the cache updates still pass, and the
+    caches occupy no memory until `compile_time_cpu_clones` re-creates them as zeros. The
+    program's original tensors are not modified (the eager model keeps its buffers).
+    """
+    device = torch.device(device)
+    if not low_memory:
+        from torch.export.passes import move_to_device_pass
+
+        return move_to_device_pass(ep, device)
+
+    for fqn, value in ep.state_dict.items():
+        if isinstance(value, torch.nn.Parameter):
+            ep._state_dict[fqn] = torch.nn.Parameter(value.to(device), value.requires_grad)
+        elif is_kv_cache_buffer(fqn, value):
+            ep._state_dict[fqn] = _emptied_like(value, device)
+        else:
+            ep._state_dict[fqn] = value.to(device)
+    for fqn, value in ep.constants.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if is_kv_cache_buffer(fqn, value):
+            ep._constants[fqn] = _emptied_like(value, device)
+        else:
+            ep._constants[fqn] = value.to(device)
+
+    if ep.example_inputs is not None:
+        args, kwargs = ep.example_inputs
+        ep._example_inputs = (
+            pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), args),
+            pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), kwargs),
+        )
+    _point_graph_at_device(ep.graph_module, device)
+    ep.validate()
+    return ep
+
+
+def release_device_tensors(ep: ExportedProgram) -> int:
+    """Free the device storage of `ep`'s state dict and constants; return the bytes freed.
+
+    For after a method's compile, so the next method's move can reuse the memory; `ep` is not
+    usable afterwards. CPU (and meta) tensors are left alone; a storage that refuses to resize
+    (shared, or not owned by torch) is skipped.
+    """
+    freed = 0
+    pools = [getattr(ep, "state_dict", None) or {}, getattr(ep, "constants", None) or {}]
+    for pool in pools:
+        for value in pool.values():
+            if not isinstance(value, torch.Tensor) or value.device.type in ("cpu", "meta"):
+                continue
+            storage = value.untyped_storage()
+            size = storage.nbytes()
+            try:
+                storage.resize_(0)
+            except RuntimeError:
+                continue
+            freed += size
+    return freed
+
+
+# ---- compile-time patches ------------------------------------------------------------------
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise LowMemoryPatchError(
+            f"torch {torch.__version__}: {what}; cudabuild.lowmem's compile-time patches must "
+            "be updated for this torch (or compile with low_memory off)"
+        )
+
+
+def _code_of(owner: Any, name: str) -> Any:
+    fn = getattr(owner, name, None)
+    _require(callable(fn), f"{getattr(owner, '__name__', owner)}.{name} is missing")
+    return getattr(fn, "__code__", None)
+
+
+def _patch_targets() -> dict:
+    """Inductor's objects the patches replace, checked for the calls they rely on."""
+    from torch._inductor import compile_fx, graph
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    from torch._inductor.graph import GraphLowering
+
+    unlift = _code_of(compile_fx, "_unlift_graph")
+    _code_of(compile_fx, "clone_preserve_strides")
+    _require(
+        "clone_preserve_strides" in unlift.co_names,
+        "compile_fx._unlift_graph no longer calls the module-level clone_preserve_strides",
+    )
+    _code_of(CppWrapperCpu, "codegen_device")
+    constructor = _code_of(CppWrapperCpu, "codegen_model_constructor")
+    _require(
+        "codegen_device" in constructor.co_names and "tensor" in constructor.co_varnames,
+        "CppWrapperCpu.codegen_model_constructor no longer writes each constant's device with "
+        "self.codegen_device(tensor.device)",
+    )
+    _code_of(GraphLowering, "get_original_value_of_constant")
+    _code_of(graph, "is_same_tensor")
+    dedup = _code_of(GraphLowering, "allocate_non_dup_const_name")
+    _require(
+        "is_same_tensor" in dedup.co_names,
+        "GraphLowering.allocate_non_dup_const_name no longer de-duplicates with graph.is_same_tensor",
+    )
+    return {
+        "compile_fx": compile_fx,
+        "graph": graph,
+        "CppWrapperCpu": CppWrapperCpu,
+        "GraphLowering": GraphLowering,
+    }
+
+
+class _Session:
+    """State shared by the patches while `compile_time_cpu_clones` is open."""
+
+    def __init__(self, target_device: torch.device):
+        self.target_device = target_device
+        # id -> tensor for values we placed on the CPU in place of device ones; holding the
+        # tensors keeps their ids from being reused while the session lives.
+        self.forced_to_cpu: dict[int, torch.Tensor] = {}
+        self.zeros_for_emptied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def note_forced(self, source: torch.Tensor, cpu_value: torch.Tensor) -> torch.Tensor:
+        if source.device.type != "cpu":
+            self.forced_to_cpu[id(cpu_value)] = cpu_value
+        return cpu_value
+
+    def zeros_for(self, emptied: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            entry = self.zeros_for_emptied.get(id(emptied))
+            if entry is None:
+                zeros = self.note_forced(emptied, _zeros_preserving_strides(emptied, "cpu"))
+                entry = self.zeros_for_emptied[id(emptied)] = (emptied, zeros)
+            return entry[1]
+
+
+_session: Union[_Session, None] = None
+_depth = 0
+_session_lock = threading.Lock()
+
+
+def _install(targets: Mapping[str, Any], session: _Session) -> dict:
+    compile_fx, graph = targets["compile_fx"], targets["graph"]
+    wrapper_cls, lowering_cls = targets["CppWrapperCpu"], targets["GraphLowering"]
+    clone = compile_fx.clone_preserve_strides
+    codegen_device = wrapper_cls.codegen_device
+    original_value = lowering_cls.get_original_value_of_constant
+    is_same = graph.is_same_tensor
+    originals = {
+        (compile_fx, "clone_preserve_strides"): clone,
+        (wrapper_cls, "codegen_device"): codegen_device,
+        (lowering_cls, "get_original_value_of_constant"): original_value,
+        (graph, "is_same_tensor"): is_same,
+    }
+
+    def clone_mutated_buffer_to_cpu(x: torch.Tensor) -> torch.Tensor:
+        # Autotuning benchmarks call this too and need their clones on the device; only the
+        # initial-value copies of mutated buffers made by _unlift_graph go to the CPU.
+        if sys._getframe(1).f_code.co_name != "_unlift_graph":
+            return clone(x)
+        if _is_emptied(x):
+            return session.zeros_for(x)
+        return session.note_forced(x, _copy_preserving_strides(x, "cpu"))
+
+    def codegen_device_of_target(self: Any, device: torch.device) -> str:
+        # The constants table must name the device the runtime loads a constant onto; for a
+        # value we moved to the CPU that is the compile's target. Genuine CPU constants and
+        # every other device argument (allocations, extern op args) are left as they are.
+        if isinstance(device, torch.device) and device.type == "cpu":
+            caller = sys._getframe(1)
+            if (
+                caller.f_code.co_name == "codegen_model_constructor"
+                and id(caller.f_locals.get("tensor")) in session.forced_to_cpu
+            ):
+                device = session.target_device
+        return codegen_device(self, device)
+
+    def original_value_with_zeros(self: Any, name: str) -> torch.Tensor:
+        # A freed KV cache would serialise as 0 bytes; the weights blob must hold its zeros.
+        value = original_value(self, name)
+        return session.zeros_for(value) if _is_emptied(value) else value
+
+    def same_unless_emptied(data: torch.Tensor, value: torch.Tensor) -> bool:
+        # Freed storages all report data_ptr 0, which would merge every same-shaped cache into
+        # one constant.
+        if _is_emptied(data) or _is_emptied(value):
+            return False
+        return is_same(data, value)
+
+    compile_fx.clone_preserve_strides = clone_mutated_buffer_to_cpu
+    wrapper_cls.codegen_device = codegen_device_of_target
+    lowering_cls.get_original_value_of_constant = original_value_with_zeros
+    graph.is_same_tensor = same_unless_emptied
+    return originals
+
+
+def _uninstall(originals: Mapping[tuple, Any]) -> None:
+    for (owner, name), value in originals.items():
+        setattr(owner, name, value)
+
+
+_originals: dict = {}
+
+
+@contextlib.contextmanager
+def compile_time_cpu_clones(target_device: Device) -> Iterator[None]:
+    """Patch inductor, for the block, so a low-memory compile keeps its copies on the CPU.
+
+    While open: the initial-value clones `_unlift_graph` makes of mutated buffers are made on the
+    CPU (freed KV caches come back as zeros with their strides); the C++ wrapper's constants
+    table still records `target_device` for those values; freed constants serialise as zeros;
+    and freed tensors are never de-duplicated against each other. Inductor's functions are
+    checked first (LowMemoryPatchError if one moved). Re-entrant for the same target device;
+    every patch is undone when the outermost block exits, normally or by an exception.
+    """
+    global _session, _depth, _originals
+    target_device = torch.device(target_device)
+    with _session_lock:
+        if _depth == 0:
+            targets = _patch_targets()
+            _session = _Session(target_device)
+            _originals = _install(targets, _session)
+        elif _session is not None and _session.target_device != target_device:
+            raise ValueError(
+                f"compile_time_cpu_clones({target_device}) inside an open block for "
+                f"{_session.target_device}: nest only blocks for the same device"
+            )
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _session_lock:
+            _depth -= 1
+            if _depth == 0:
+                _uninstall(_originals)
+                _originals, _session = {}, None

@@ -1,0 +1,152 @@
+"""ExportedPrograms as stored artifacts, and their canonical graph hash.
+
+A program is stored as four files, so identical parts are stored once across methods and stages
+(decode and prefill share `weights.pt`, export and edge share it too):
+`program.json` (the graph, through ExecuTorch's serde, which also handles edge-dialect ops),
+`weights.pt` (state dict), `constants.pt` (lifted constants, non-persistent buffers such as the
+KV cache), `inputs.pt` (example inputs).
+
+`graph_digest` is what downstream keys use instead of those bytes: the graph's structure (op
+targets, argument wiring by position, shapes, dtypes, symbolic ranges), its signature, and a
+content digest of every weight and constant, with node names and stack traces left out. Two
+exports of the same model give the same digest whatever file or line the code came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROGRAM_FILES = ("program.json", "weights.pt", "constants.pt", "inputs.pt")
+
+
+def save_program(ep, folder: Path, prefix: str = "") -> dict[str, Path]:
+    from executorch.exir.serde.serialize import serialize
+
+    artifact = serialize(ep)
+    parts = {
+        "program.json": artifact.exported_program,
+        "weights.pt": artifact.state_dict,
+        "constants.pt": artifact.constants,
+        "inputs.pt": artifact.example_inputs,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, data in parts.items():
+        path = folder / (prefix + name)
+        path.write_bytes(data)
+        files[prefix + name] = path
+    return files
+
+
+def load_program(read: "callable", prefix: str = ""):
+    """Rebuild an ExportedProgram; `read(name)` returns the bytes of one stored file."""
+    from executorch.exir.serde.export_serialize import SerializedArtifact
+    from executorch.exir.serde.serialize import deserialize
+
+    artifact = SerializedArtifact(*(read(prefix + name) for name in PROGRAM_FILES))
+    return deserialize(artifact)
+
+
+def load_example_inputs(data: bytes) -> tuple:
+    """The example inputs stored with a program (a (args, kwargs) pair, as torch.export keeps them)."""
+    from torch._export.serde.serialize import deserialize_torch_artifact
+
+    args, kwargs = deserialize_torch_artifact(data)
+    return tuple(args)
+
+
+# -- canonical graph hash -----------------------------------------------------------------------
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    op = getattr(target, "_op", None)  # edge-dialect ops wrap an aten OpOverload
+    if op is not None:
+        return "edge:" + str(op)
+    name = getattr(target, "name", None)
+    if callable(name):
+        try:
+            return str(name())
+        except TypeError:
+            pass
+    module = getattr(target, "__module__", "") or ""
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{qual}"
+
+
+def _canon(value: Any, index: dict) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return ["%", index[value]]
+    if isinstance(value, (list, tuple)):
+        return [_canon(v, index) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _canon(v, index) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_meta(value)
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "sym:" + str(value)
+    return f"{type(value).__name__}:{value}"
+
+
+def _tensor_meta(t: torch.Tensor) -> list:
+    return ["T", str(t.dtype), [str(s) for s in t.shape], [str(s) for s in t.stride()], str(t.device.type)]
+
+
+def node_lines(gm: torch.fx.GraphModule) -> list[str]:
+    """One canonical line per node, in graph order (what explain diffs between two builds)."""
+    index: dict = {}
+    lines = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        val = node.meta.get("val")
+        entry = [node.op, _target_name(node.target) if node.op != "placeholder" else "",
+                 _canon(node.args, index), _canon(node.kwargs, index), _canon(val, index)]
+        if node.op == "get_attr":
+            sub = getattr(gm, str(node.target), None)
+            if isinstance(sub, torch.fx.GraphModule):
+                entry.append(node_lines(sub))
+        lines.append(json.dumps(entry, sort_keys=True, separators=(",", ":"), default=str))
+    return lines
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256()
+    h.update(f"{t.dtype}{list(t.shape)}".encode())
+    if t.numel():
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def graph_summary(ep) -> dict:
+    sig = ep.graph_signature
+    return {
+        "nodes": node_lines(ep.graph_module),
+        "inputs": [[str(s.kind), s.target] for s in sig.input_specs],
+        "outputs": [[str(s.kind), s.target] for s in sig.output_specs],
+        "ranges": sorted(f"{k}:{v}" for k, v in ep.range_constraints.items()),
+        "state": {k: tensor_digest(v) for k, v in sorted(ep.state_dict.items())},
+        "constants": {k: tensor_digest(v) for k, v in sorted(ep.constants.items()) if isinstance(v, torch.Tensor)},
+    }
+
+
+def graph_digest(summary: dict) -> str:
+    return hashlib.sha256(json.dumps(summary, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_summary(summary: dict, path: Path) -> Path:
+    path.write_text(json.dumps(summary, sort_keys=True, indent=0))
+    return path

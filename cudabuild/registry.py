@@ -1,0 +1,150 @@
+"""The recipe registry: which models exist, and what each recipe declares, without importing torch
+when nothing changed.
+
+`recipes/<name>.py` is model `<name>`. A recipe's *sources* are its file plus every project-local
+module it imports, found statically (an AST walk, transitively), so a no-op build can check them
+by stat alone. Its *description* (method names, declared specs, option defaults) needs the recipe
+imported, which imports torch; it is memoised in the store under the sources' content hashes and
+recomputed only when one of them changes.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .errors import RecipeError, UnknownModel
+from .hashing import FileHasher, digest
+
+# Bump when the description's shape changes, so old memo entries are not reused.
+DESCRIPTION_VERSION = 1
+
+
+def recipes_dir(project: Path) -> Path:
+    return project / "recipes"
+
+
+def list_models(project: Path) -> list[str]:
+    folder = recipes_dir(project)
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+
+
+def recipe_path(project: Path, model: str) -> Path:
+    path = recipes_dir(project) / f"{model}.py"
+    if not path.is_file():
+        known = ", ".join(list_models(project)) or "none"
+        raise UnknownModel(f"unknown model '{model}'; known models: {known} (recipes live in {recipes_dir(project)})")
+    return path
+
+
+def _module_file(project: Path, dotted: str) -> Optional[Path]:
+    parts = dotted.split(".")
+    base = project.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports_of(path: Path, project: Path) -> list[Path]:
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as e:
+        rel = path.relative_to(project) if path.is_relative_to(project) else path
+        raise RecipeError(f"{rel}:{e.lineno}: syntax error: {e.msg}") from None
+    found: list[Path] = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            # A package's __init__ runs on import of any submodule: include every parent too.
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):
+                file = _module_file(project, ".".join(parts[:i]))
+                if file is not None:
+                    found.append(file)
+    return found
+
+
+def source_files(project: Path, model: str) -> list[Path]:
+    """The recipe file and the project modules it imports, transitively (static analysis)."""
+    start = recipe_path(project, model)
+    seen: dict[Path, None] = {}
+    todo = [start]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = None
+        todo.extend(p for p in _imports_of(path, project) if p not in seen)
+    return sorted(seen)
+
+
+def source_digests(project: Path, model: str, hasher: FileHasher) -> dict[str, str]:
+    return {str(p.relative_to(project)): hasher(p) for p in source_files(project, model)}
+
+
+def load_recipe(project: Path, model: str):
+    """Import recipes/<model>.py and return its RECIPE (imports torch through the recipe)."""
+    path = recipe_path(project, model)
+    if str(project) not in sys.path:
+        sys.path.insert(0, str(project))
+    module_name = f"_cudabuild_recipe_{model}"
+    if module_name in sys.modules:
+        return sys.modules[module_name].RECIPE
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    rel = path.relative_to(project)
+    # Registered before it runs: dataclasses (and pickling) look the module up while it executes.
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[module_name]
+        raise RecipeError(f"{rel}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # the recipe's own code failed at import
+        del sys.modules[module_name]
+        raise RecipeError(f"{_where(e, path, rel)}: recipe failed to import: {type(e).__name__}: {e}") from None
+    recipe = getattr(module, "RECIPE", None)
+    if recipe is None:
+        del sys.modules[module_name]
+        raise RecipeError(f"{rel}: defines no RECIPE = Recipe(...)")
+    return recipe
+
+
+def _where(error: BaseException, path: Path, rel: Path) -> str:
+    """`file:line` of the deepest frame of the traceback that is in the recipe file."""
+    line = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f"{rel}:{line}" if line else str(rel)
+
+
+def describe(project: Path, model: str, store) -> dict:
+    """What the recipe declares, as JSON data; memoised in the store by source content."""
+    sources = source_digests(project, model, store.hasher)
+    memo_key = f"recipe:{model}:" + digest({"v": DESCRIPTION_VERSION, "sources": sources})
+    cached = store.get_json(memo_key)
+    if cached is not None:
+        return cached
+    recipe = load_recipe(project, model)
+    description = {
+        "model": model,
+        "sources": sources,
+        "methods": [m.name for m in recipe.methods],
+        "options": dict(recipe.options),
+        "specs": {t: dict(v) for t, v in recipe.specs.items()},
+        "method_specs": {m.name: {t: dict(v) for t, v in m.specs.items()} for m in recipe.methods},
+        "tolerances": dict(recipe.tolerances),
+    }
+    store.put_json(memo_key, description)
+    return description

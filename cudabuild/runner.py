@@ -1,0 +1,292 @@
+"""Running one stage against the cache: cached, restored from the store, or executed and stored.
+
+For a stage with action key K (the digest of its inputs, see graph.py):
+1. `cached`: its stamp in build/<model>/<target>/.stamps/ holds K, and its final outputs in build/
+   still have the recorded hashes (checked by stat through the hash memo). Nothing is done.
+2. `restored`: the store has a record for K whose blobs are all present: the stamp is rewritten
+   from the record and final outputs copied back (each blob re-hashed on the way). Intermediate
+   artifacts stay in the store until a stage that runs needs them.
+3. `ran`: the stage function runs in a fresh work directory; its outputs go into the store, then
+   the record, then the stamp. An output that was needed but turns out corrupt or missing makes
+   its producer run again, never served.
+Execution of one key is serialised across processes with an flock, so two builds sharing a cache
+never compile the same key at the same time; the second one restores what the first stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import graph
+from .config import BuildConfig
+from .errors import CorruptBlob, CudabuildError, MissingBlob
+from .explain import reason as explain_reason
+from .graph import Stage
+from .hashing import digest
+from .store import Store
+from .toolchain import cheap_fingerprint
+
+STAGE_MODULES = {kind: f"cudabuild.stages.{kind}" for kind in graph.KINDS}
+
+
+@dataclass
+class StageResult:
+    """What a stage function returns: files it wrote (name -> path), its semantic digest and value."""
+
+    files: dict[str, Path]
+    digest: Optional[str] = None
+    value: Optional[dict] = None
+
+
+@dataclass
+class StageContext:
+    config: BuildConfig
+    stage: Stage
+    inputs: dict
+    workdir: Path
+    runner: "Runner"
+    log: Callable[[str], None] = print
+
+    def upstream(self, kind: str, method: Optional[str] = None) -> dict:
+        return self.runner.require_stamp(Stage(kind, method))
+
+    def blob(self, kind: str, method: Optional[str], name: str) -> bytes:
+        """An upstream output's bytes, verified; rebuilds the producer if the blob is bad."""
+        return self.runner.read_output(Stage(kind, method), name)
+
+    def fetch(self, kind: str, method: Optional[str], name: str, dest: Path) -> Path:
+        return self.runner.fetch_output(Stage(kind, method), name, dest)
+
+
+@dataclass
+class Runner:
+    config: BuildConfig
+    store: Store
+    run_id: str
+    log: Callable[[str], None] = print
+    statuses: dict = field(default_factory=dict)  # stage id -> status for this process
+    _fingerprint: Optional[dict] = None
+
+    # -- stamps ---------------------------------------------------------------------------------
+
+    @property
+    def stamps_dir(self) -> Path:
+        return self.config.build_dir / ".stamps"
+
+    def stamp_path(self, stage: Stage) -> Path:
+        return self.stamps_dir / f"{stage.id}.json"
+
+    def read_stamp(self, stage: Stage) -> Optional[dict]:
+        try:
+            return json.loads(self.stamp_path(stage).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def require_stamp(self, stage: Stage) -> dict:
+        stamp = self.read_stamp(stage)
+        if stamp is None:
+            raise CudabuildError(f"stage {stage.id} has not been built yet for {self.config.model}/{self.config.target}")
+        return stamp
+
+    def _write_stamp(self, stage: Stage, stamp: dict) -> None:
+        _atomic_write_text(self.stamp_path(stage), json.dumps(stamp, indent=1, sort_keys=True))
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict:
+        if self._fingerprint is None:
+            self._fingerprint = cheap_fingerprint(self.config.target)
+        return self._fingerprint
+
+    def checkpoint_digest(self) -> Optional[dict]:
+        folder = self.config.checkpoint
+        return self.store.hasher.tree(folder) if folder else None
+
+    def inputs(self, stage: Stage) -> dict:
+        return graph.stage_inputs(stage, self.config, self.read_stamp, self.fingerprint, self.checkpoint_digest)
+
+    def key(self, stage: Stage) -> str:
+        return digest(self.inputs(stage))
+
+    # -- up-to-date ----------------------------------------------------------------------------
+
+    def finals_intact(self, stamp: dict) -> bool:
+        for name in stamp.get("finals", []):
+            if self.store.hasher(self.config.build_dir / name) != stamp["outputs"][name]:
+                return False
+        return True
+
+    def is_up_to_date(self, stage: Stage) -> bool:
+        stamp = self.read_stamp(stage)
+        return bool(stamp) and stamp.get("key") == self.key(stage) and self.finals_intact(stamp)
+
+    # -- execution -----------------------------------------------------------------------------
+
+    def execute(self, stage: Stage) -> str:
+        """Bring one stage up to date; returns ran, cached or restored."""
+        inputs = self.inputs(stage)
+        key = digest(inputs)
+        old = self.read_stamp(stage)
+        if old and old.get("key") == key and self.finals_intact(old):
+            return self._note(stage, "cached")
+        if self._restore(stage, key, inputs):
+            return self._note(stage, "restored")
+        with self._key_lock(key):
+            # Another process may have built this key while we waited for the lock.
+            if self._restore(stage, key, inputs):
+                return self._note(stage, "restored")
+            why = explain_reason(old.get("inputs") if old else None, inputs)
+            self._run(stage, key, inputs, why)
+        return self._note(stage, "ran")
+
+    def _note(self, stage: Stage, status: str) -> str:
+        self.statuses[stage.id] = status
+        return status
+
+    def _restore(self, stage: Stage, key: str, inputs: dict) -> bool:
+        record = self.store.get_record(key)
+        if record is None:
+            return False
+        finals = record.get("finals", [])
+        try:
+            for name in finals:
+                self.store.fetch(record["outputs"][name], self.config.build_dir / name)
+        except (CorruptBlob, MissingBlob) as e:
+            self.log(f"warning: {e}")
+            self.store.drop_record(key)
+            return False
+        self._write_stamp(stage, {
+            "key": key, "inputs": inputs, "digest": record["digest"], "outputs": record["outputs"],
+            "finals": finals, "value": record.get("value"), "status": "restored", "seconds": 0.0,
+            "saved_seconds": record.get("seconds", 0.0), "run": self.run_id, "reason": None,
+        })
+        return True
+
+    def _run(self, stage: Stage, key: str, inputs: dict, why: str) -> None:
+        module = importlib.import_module(STAGE_MODULES[stage.kind])
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
+            ctx = StageContext(self.config, stage, inputs, Path(tmp), self, self.log)
+            result: StageResult = module.run(ctx)
+            outputs = {name: self.store.put_file(path) for name, path in sorted(result.files.items())}
+            seconds = round(time.monotonic() - start, 3)
+            stage_digest = result.digest or digest(outputs)
+            finals = sorted(result.files) if graph.final_outputs(stage) else []
+            record = {"stage": stage.id, "digest": stage_digest, "outputs": outputs, "finals": finals,
+                      "value": result.value, "seconds": seconds}
+            for name in finals:
+                _atomic_copy(result.files[name], self.config.build_dir / name)
+        self.store.put_record(key, record)
+        self._write_stamp(stage, {
+            "key": key, "inputs": inputs, "digest": stage_digest, "outputs": outputs, "finals": finals,
+            "value": result.value, "status": "ran", "seconds": seconds, "run": self.run_id, "reason": why,
+        })
+
+    @contextlib.contextmanager
+    def _key_lock(self, key: str):
+        lock_dir = self.store.root / "locks"
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with open(lock_dir / key[:16], "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    # -- reading upstream outputs ----------------------------------------------------------------
+
+    def _sha_of(self, stage: Stage, name: str) -> str:
+        stamp = self.require_stamp(stage)
+        try:
+            return stamp["outputs"][name]
+        except KeyError:
+            raise CudabuildError(f"stage {stage.id} has no output named {name}") from None
+
+    def _rebuild(self, stage: Stage) -> None:
+        """Run a producer again because an output it recorded can no longer be served."""
+        stamp = self.read_stamp(stage)
+        if stamp:
+            self.store.drop_record(stamp["key"])
+        inputs = self.inputs(stage)
+        key = digest(inputs)
+        self.log(f"{stage.id}: a cached output was missing or corrupt; running it again")
+        with self._key_lock(key):
+            self._run(stage, key, inputs, "a cached output was missing or corrupt")
+        self.statuses[stage.id] = "ran"
+
+    def read_output(self, stage: Stage, name: str) -> bytes:
+        try:
+            return self.store.read_bytes(self._sha_of(stage, name))
+        except (CorruptBlob, MissingBlob) as e:
+            self.log(f"warning: {e}")
+            self._rebuild(stage)
+            return self.store.read_bytes(self._sha_of(stage, name))
+
+    def fetch_output(self, stage: Stage, name: str, dest: Path) -> Path:
+        try:
+            return self.store.fetch(self._sha_of(stage, name), dest)
+        except (CorruptBlob, MissingBlob) as e:
+            self.log(f"warning: {e}")
+            self._rebuild(stage)
+            return self.store.fetch(self._sha_of(stage, name), dest)
+
+    # -- manifest ------------------------------------------------------------------------------
+
+    def manifest(self) -> dict:
+        stages = []
+        outputs = {}
+        verify = {}
+        for stage in graph.plan(self.config):
+            stamp = self.read_stamp(stage) or {}
+            this_run = stamp.get("run") == self.run_id
+            status = stamp.get("status") if this_run else "cached"
+            entry = {"stage": stage.kind, "method": stage.method, "key": stamp.get("key"), "status": status,
+                     "seconds": stamp.get("seconds", 0.0) if this_run else 0.0}
+            if this_run and stamp.get("reason"):
+                entry["reason"] = stamp["reason"]
+            if status in ("restored", "cached"):
+                entry["saved_seconds"] = stamp.get("saved_seconds", stamp.get("seconds", 0.0))
+            stages.append(entry)
+            for name in stamp.get("finals", []):
+                outputs[name] = stamp["outputs"][name]
+            if stage.kind == "verify" and stamp.get("value"):
+                verify[stage.method] = stamp["value"]
+        probe = self.read_stamp(Stage("probe")) or {}
+        return {"model": self.config.model, "target": self.config.target, "options": dict(self.config.options),
+                "specs": {m: dict(s) for m, s in self.config.specs.items()}, "toolchain": probe.get("value"),
+                "stages": stages, "outputs": dict(sorted(outputs.items())), "verify": verify}
+
+    def write_manifest(self) -> dict:
+        manifest = self.manifest()
+        _atomic_write_text(self.config.build_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=False))
+        return manifest
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _atomic_copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix="." + dest.name + ".")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,118 @@
+"""Compile specs: the table of accepted keys and values, per-target defaults, and merging.
+
+A spec is a backend knob that ends up in the .pte (all specs are serialized with the delegate)
+and in the keys of the stages it affects. Values are merged once, in this order (later wins):
+table default for the target, recipe specs for all targets, recipe specs for the target, the
+method's own recipe specs, command-line `KEY=VALUE`, command-line `METHOD.KEY=VALUE`.
+Errors are collected and reported together on one line. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .errors import InvalidSpec
+
+ON_OFF = ("ON", "OFF")
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    allowed: Optional[tuple[str, ...]]  # None: any string
+    cpu: Optional[str]  # default for target cpu (None: unset)
+    cuda: Optional[str]
+    stages: tuple[str, ...]  # stages whose result depends on it (package always does)
+    doc: str
+
+
+SPEC_TABLE: dict[str, SpecKey] = {
+    "triton_kernel_mode": SpecKey(ON_OFF, "OFF", "ON", ("edge", "compile"), "replace sdpa/topk with ExecuTorch's Triton kernels"),
+    "low_memory_mode": SpecKey(ON_OFF, "OFF", "OFF", ("compile",), "free KV-cache storage and clone mutated buffers on the CPU during compile"),
+    "emulate_precision_casts": SpecKey(ON_OFF, "ON", "ON", ("compile",), "inductor emulates eager's low-precision casts"),
+    "max_autotune": SpecKey(ON_OFF, "OFF", "ON", ("compile",), "tune GEMM/pointwise kernels by benchmarking"),
+    "autotune_at_compile_time": SpecKey(ON_OFF, None, None, ("compile",), "tune Triton kernels while compiling, not at first run"),
+    "autotune_pointwise": SpecKey(ON_OFF, None, None, ("compile",), "tune pointwise kernels too"),
+    "platform": SpecKey(("linux", "windows"), "linux", "linux", ("compile",), "platform the .so is built for"),
+    "shim_library_path": SpecKey(None, None, None, ("compile",), "folder of aoti_cuda_shims (windows only)"),
+}
+
+TARGETS = ("cpu", "cuda")
+
+
+def normalize(key: str, value: str) -> str:
+    spec = SPEC_TABLE[key]
+    if spec.allowed == ON_OFF:
+        return str(value).upper()
+    if spec.allowed is not None:
+        return str(value).lower()
+    return str(value)
+
+
+def _problems(key: str, value: str, target: str, where: str) -> list[str]:
+    if key not in SPEC_TABLE:
+        return [f"unknown spec '{key}' ({where}); known: {', '.join(sorted(SPEC_TABLE))}"]
+    spec = SPEC_TABLE[key]
+    value = normalize(key, value)
+    if spec.allowed is not None and value not in spec.allowed:
+        return [f"invalid value {key}={value} ({where}); expected {' or '.join(spec.allowed)}"]
+    return []
+
+
+def resolve_method_specs(
+    target: str,
+    methods: list[str],
+    recipe_specs: Mapping[str, Mapping[str, str]],
+    method_specs: Mapping[str, Mapping[str, Mapping[str, str]]],
+    overrides: Mapping[str, str],
+) -> dict[str, dict[str, str]]:
+    """Merge specs for each method and validate them all; raise one InvalidSpec listing every problem.
+
+    `recipe_specs` is {target|"all": {key: value}}, `method_specs` is {method: {target|"all": {...}}},
+    `overrides` is the command line's {"key": v, "method.key": v}.
+    """
+    problems: list[str] = []
+    merged: dict[str, dict[str, str]] = {}
+    for name, raw in overrides.items():
+        method, _, key = name.rpartition(".")
+        if method and method not in methods:
+            problems.append(f"spec override '{name}' names unknown method '{method}'; methods: {', '.join(methods)}")
+    for method in methods:
+        layers = [
+            ("default", {k: v for k, v in ((k, getattr(s, target)) for k, s in SPEC_TABLE.items()) if v is not None}),
+            ("recipe", recipe_specs.get("all", {})),
+            ("recipe", recipe_specs.get(target, {})),
+            (f"recipe method {method}", method_specs.get(method, {}).get("all", {})),
+            (f"recipe method {method}", method_specs.get(method, {}).get(target, {})),
+            ("command line", {k: v for k, v in overrides.items() if "." not in k}),
+            ("command line", {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith(method + ".")}),
+        ]
+        specs: dict[str, str] = {}
+        for where, layer in layers:
+            for key, value in layer.items():
+                found = _problems(key, value, target, where)
+                if found:
+                    problems.extend(p for p in found if p not in problems)
+                    continue
+                specs[key] = normalize(key, value)
+        problems.extend(p for p in _target_rules(specs, target, method) if p not in problems)
+        merged[method] = dict(sorted(specs.items()))
+    if problems:
+        raise InvalidSpec("; ".join(problems))
+    return merged
+
+
+def _target_rules(specs: Mapping[str, str], target: str, method: str) -> list[str]:
+    found = []
+    if target == "cpu" and specs.get("triton_kernel_mode") == "ON":
+        found.append(f"triton_kernel_mode=ON needs target=cuda (method {method}): ExecuTorch's Triton kernels take CUDA tensors only")
+    if target == "cpu" and specs.get("platform") == "windows":
+        found.append(f"platform=windows needs target=cuda (method {method})")
+    if "shim_library_path" in specs and specs.get("platform") != "windows":
+        found.append(f"shim_library_path is for platform=windows only (method {method})")
+    return found
+
+
+def specs_for_stage(specs: Mapping[str, str], stage: str) -> dict[str, str]:
+    """The subset of a method's specs that decides the given stage's output."""
+    return {k: v for k, v in specs.items() if stage in SPEC_TABLE[k].stages}

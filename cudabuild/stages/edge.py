@@ -1,0 +1,54 @@
+"""edge: ExecuTorch's edge lowering and the CUDA backend's graph passes, as a stored program.
+
+The program handed to the AOTI backend is captured from a real `to_edge_transform_and_lower`
+(see cudabuild.delegate), then the backend's device-independent passes run in the reference's
+order: view_copy -> view, int64 floordiv -> float, Triton op replacement (triton_kernel_mode=ON),
+conv1d -> conv2d. The one device-dependent pass (cond predicate to CPU) runs in compile, after
+the move to the device, where it means something.
+"""
+
+from __future__ import annotations
+
+from .. import delegate
+from ..errors import CompileFailed, one_line
+from ..programs import graph_digest, graph_summary, load_program, save_program, write_summary
+from ..runner import StageResult
+
+
+def backend_passes(ep, specs: dict):
+    import torch
+    from executorch.backends.aoti.passes.replace_view_copy_with_view import ReplaceViewCopyWithViewPass
+    from executorch.backends.cuda.passes.replace_int64_floordiv import ReplaceInt64FloorDivWithFloatPass
+    from torch._inductor.decomposition import conv1d_to_conv2d
+
+    ReplaceViewCopyWithViewPass()(ep.graph_module)
+    ReplaceInt64FloorDivWithFloatPass()(ep.graph_module)
+    if specs.get("triton_kernel_mode", "ON") == "ON":
+        from executorch.backends.cuda.triton.replacement_pass import ReplaceEdgeOpWithTritonOpPass
+
+        ReplaceEdgeOpWithTritonOpPass()(ep.graph_module)
+    return ep.run_decompositions({torch.ops.aten.conv1d.default: conv1d_to_conv2d})
+
+
+def run(ctx) -> StageResult:
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    method = ctx.stage.method
+    ep = load_program(lambda name: ctx.blob("export", method, name))
+    try:
+        with delegate.capture() as captured:
+            to_edge_transform_and_lower(
+                {method: ep},
+                partitioner={method: [delegate.partitioner(method, {}, ctx.config.target)]},
+                compile_config=EdgeCompileConfig(_check_ir_validity=False),
+            )
+    except Exception as e:
+        raise CompileFailed(f"method {method}: edge lowering failed: {one_line(e)}") from e
+    programs = captured.get(method, [])
+    if len(programs) != 1:
+        raise CompileFailed(f"method {method}: expected the whole graph in one AOTI partition, got {len(programs)}")
+    edge = backend_passes(programs[0], ctx.config.specs[method])
+    summary = graph_summary(edge)
+    files = save_program(edge, ctx.workdir)
+    files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
+    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])})

@@ -1,0 +1,48 @@
+"""export: build the recipe's model and torch.export one method; store the program and its graph hash."""
+
+from __future__ import annotations
+
+import json
+
+from .. import registry
+from ..errors import CudabuildError, ExportFailed, one_line
+from ..hashing import canonical_json
+from ..programs import graph_digest, graph_summary, save_program, write_summary
+from ..runner import StageResult
+
+# The eager model, built once per process and options: all methods export the same module.
+_MODELS: dict = {}
+
+
+def build_model(ctx):
+    config = ctx.config
+    key = (config.model, canonical_json(dict(config.options)))
+    if key not in _MODELS:
+        recipe = registry.load_recipe(config.project, config.model)
+        try:
+            _MODELS[key] = (recipe, recipe.build(dict(config.options)))
+        except CudabuildError:
+            raise
+        except Exception as e:
+            raise ExportFailed(f"model {config.model} failed to build: {one_line(e)}") from e
+    return _MODELS[key]
+
+
+def run(ctx) -> StageResult:
+    import torch
+
+    recipe, model = build_model(ctx)
+    method = next(m for m in recipe.methods if m.name == ctx.stage.method)
+    try:
+        inputs = tuple(method.inputs(model))
+        shapes = method.dynamic_shapes(model) if method.dynamic_shapes else None
+        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:
+        raise ExportFailed(f"method {method.name} of {ctx.config.model} failed to export: {one_line(e)}") from e
+    summary = graph_summary(ep)
+    files = save_program(ep, ctx.workdir)
+    files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
+    metadata = dict(recipe.constant_methods(model)) if recipe.constant_methods else {}
+    files["metadata.json"] = ctx.workdir / "metadata.json"
+    files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))
+    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])})

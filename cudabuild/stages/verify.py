@@ -1,0 +1,79 @@
+"""verify: run one method's compiled .so and weights blob through torch's AOTI runner and compare
+its outputs with eager execution of the exported program, within a per-dtype tolerance.
+
+The .so is built without libtorch (link_libtorch=False), so its `aoti_torch_*` symbols resolve only
+if libtorch is loaded with RTLD_GLOBAL: torch loads it RTLD_LOCAL, so the library is promoted first.
+Constants are loaded from the blob before the first run (running first crashes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+
+from ..errors import VerifyFailed
+from ..programs import load_example_inputs, load_program
+from ..runner import StageResult
+
+# Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
+TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def promote_libtorch(device: str) -> None:
+    import torch
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = ["libtorch_cpu.so"] + (["libtorch_cuda.so"] if device == "cuda" else [])
+    for name in names:
+        ctypes.CDLL(os.path.join(lib_dir, name), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
+
+
+def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> list:
+    import torch
+
+    promote_libtorch(device)
+    if device == "cuda":
+        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so_path, 1, "cuda:0")
+    else:
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
+    runner.update_constant_buffer_from_blob(blob_path)
+    return runner.run([t.to(device) for t in inputs])
+
+
+def run(ctx) -> StageResult:
+    import torch
+
+    method, target = ctx.stage.method, ctx.config.target
+    device = "cuda" if target == "cuda" else "cpu"
+    ep = load_program(lambda name: ctx.blob("export", method, name))
+    inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
+    with torch.no_grad():
+        expected = ep.module()(*inputs)
+    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
+    blob = ctx.fetch("compile", method, "weights.blob", ctx.workdir / "weights.blob")
+    actual = run_compiled(str(so), str(blob), inputs, device)
+    tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
+    report = {"outputs": [], "passed": True}
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        got = got.detach().to("cpu")
+        dtype = str(want.dtype).removeprefix("torch.")
+        scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+        diff = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
+        allowed = tolerances.get(dtype, 1e-4) * scale
+        ok = got.shape == want.shape and diff <= allowed
+        report["outputs"].append({"index": i, "dtype": dtype, "shape": list(want.shape), "max_abs_diff": diff, "allowed": allowed, "ok": ok})
+        report["passed"] &= ok
+    if len(actual) != len(expected):
+        report["passed"] = False
+    path = ctx.workdir / "verify.json"
+    path.write_text(json.dumps(report, indent=1))
+    if not report["passed"]:
+        worst = max(report["outputs"], key=lambda o: o["max_abs_diff"] / max(o["allowed"], 1e-30), default={})
+        raise VerifyFailed(
+            f"method {method}: compiled output {worst.get('index')} differs from eager by {worst.get('max_abs_diff'):.3g} "
+            f"(allowed {worst.get('allowed'):.3g})"
+        )
+    summary = {"max_abs_diff": max((o["max_abs_diff"] for o in report["outputs"]), default=0.0), "passed": True}
+    return StageResult({"verify.json": path}, value=summary)

@@ -1,0 +1,136 @@
+"""The toolchain fingerprint: what, besides the model, decides a compiled artifact.
+
+Two levels. `cheap_fingerprint(target)` is computed on every build without importing torch:
+package versions from their metadata, the compiler's path and stat, the environment variables
+inductor and Triton read, and for cuda the CUDA install's and GPU's identity. It is the probe
+stage's key. `probe(target)` runs only when that changes: it imports torch, asks the compiler its
+version, and for cuda plans the environment (ptxas, arch list, fatbin) that the compile stage then
+applies in a scoped context. Its result feeds the keys of every later stage.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+from .hashing import stat_signature
+
+PACKAGES = ("torch", "triton", "executorch")
+
+# Variables that change what inductor/Triton/AOTI generate (cache dirs are set by cudabuild itself).
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "AOT_INDUCTOR_", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT",
+                "CUDABUILD_INDUCTOR_DIR")
+ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_REDIS_URL", "TORCHINDUCTOR_REDIS_HOST",
+               "TORCHINDUCTOR_REDIS_PORT", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE"}
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compiler_path() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def relevant_env(environ=os.environ) -> dict:
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED}
+
+
+def cheap_fingerprint(target: str) -> dict:
+    cxx = compiler_path()
+    fp = {
+        "target": target,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "packages": {name: package_version(name) for name in PACKAGES},
+        "compiler": {"path": cxx, "stat": stat_signature(os.path.realpath(cxx)) if cxx else None},
+        "env": relevant_env(),
+    }
+    if target == "cuda":
+        from .cuda_env import cheap_cuda_fingerprint
+
+        fp["cuda"] = cheap_cuda_fingerprint(os.environ)
+    return fp
+
+
+def _compiler_version(cxx: str | None) -> str | None:
+    if not cxx:
+        return None
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def probe(target: str) -> dict:
+    """The full toolchain description (imports torch). Every field is JSON data."""
+    import torch
+
+    result = {
+        "target": target,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "executorch": package_version("executorch"),
+        "compiler": _compiler_version(compiler_path()),
+        "env": relevant_env(),
+    }
+    if target == "cuda":
+        result["cuda"] = _probe_cuda(torch)
+    return result
+
+
+def _probe_cuda(torch) -> dict:
+    from . import cuda_env
+    from .errors import NoGpu
+
+    if not torch.cuda.is_available():
+        raise NoGpu("target=cuda needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False); use target=cpu")
+    if torch.version.cuda is None:
+        raise NoGpu(f"target=cuda needs a CUDA build of torch; this one is {torch.__version__}")
+    capability = torch.cuda.get_device_capability(0)
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME as torch_cuda_home
+    except Exception:
+        torch_cuda_home = None
+    environ = dict(os.environ)
+    plan = cuda_env.plan_cuda_env(
+        torch.version.cuda, capability, environ,
+        ptxas_finder=lambda v: cuda_env.find_ptxas(v, torch_cuda_home=torch_cuda_home, environ=environ),
+    )
+    return {
+        "cuda_version": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0),
+        "capability": list(capability),
+        "emit_multi_arch_kernel": plan.emit_multi_arch_kernel,
+        "env": dict(sorted(plan.env.items())),
+        "notes": list(plan.notes),
+    }
+
+
+def resolve_target(target: str, environ=os.environ) -> tuple[str, str | None]:
+    """(target, note): `auto` becomes cuda when a GPU is visible, else cpu, and says which."""
+    from .errors import UnknownTarget
+
+    if target in ("cpu", "cuda"):
+        return target, None
+    if target != "auto":
+        raise UnknownTarget(f"unknown target '{target}'; expected auto, cpu or cuda")
+    from .cuda_env import gpu_present
+
+    if gpu_present(environ):
+        return "cuda", "target=auto: a GPU is present, building for cuda"
+    return "cpu", "target=auto: no GPU found, building for cpu"
+
+
+def python_executable() -> str:
+    return sys.executable
