@@ -269,6 +269,7 @@ class Runner:
     def write_manifest(self) -> dict:
         manifest = self.manifest()
         _atomic_write_text(self.config.build_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=False))
+        self.store.record_build(manifest)
         return manifest
 
 

@@ -164,5 +164,25 @@ class Store:
     def put_json(self, name: str, value: dict) -> None:
         self.cache.set("doc:" + name, json.dumps(value, sort_keys=True))
 
+    # -- build log (what `cudabuild cache stats` summarises) ------------------------------------
+
+    def record_build(self, manifest: dict) -> None:
+        """Append one finished build's manifest (stages, statuses, seconds) to the log."""
+        entry = {k: manifest[k] for k in ("model", "target", "stages", "outputs") if k in manifest}
+        entry["time"] = time.time()
+        self.cache.set(f"log:{entry['time']:017.6f}:{os.getpid()}", json.dumps(entry, sort_keys=True))
+
+    def build_log(self, last: Optional[int] = None) -> list[dict]:
+        """Logged builds, oldest first; the last `last` only when given."""
+        keys = sorted(k for k in self.cache.iterkeys() if isinstance(k, str) and k.startswith("log:"))
+        if last is not None:
+            keys = keys[-last:] if last > 0 else []
+        entries = []
+        for key in keys:
+            raw = self.cache.get(key)
+            if raw is not None:
+                entries.append(json.loads(raw))
+        return entries
+
     def close(self) -> None:
         self.cache.close()

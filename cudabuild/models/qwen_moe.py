@@ -5,7 +5,7 @@ this module's parameters. Must not touch files (cudabuild/checkpoint.py reads th
 or compile setting (recipes/qwen_moe.py declares those).
 
 Every op is one Inductor generates code for itself (matmul, elementwise, reductions, softmax,
-cumsum, gather, cat, index_copy_): no custom kernels, no topk/sort, no linalg, no sdpa, no
+gather, cat, slice_scatter, index_copy_): no custom kernels, no topk/sort, no linalg, no sdpa, no
 data-dependent shapes. `forward(tokens, input_pos)` traces one of two graphs:
 - T == 1 (decode): the delta rule is the single-step recurrence; the experts' weights are gathered
   for the k chosen experts and reduced without materialising them.
@@ -105,7 +105,7 @@ class ModelArgs:
             top_k=need("num_experts_per_tok"),
             expert_dim=need("moe_intermediate_size"),
             shared_dim=need("shared_expert_intermediate_size"),
-            full_attn_every=need("full_attention_interval"),
+            full_attn_every=c.get("full_attention_interval") or _interval(c.get("layer_types")),
             max_seq_len=max_seq_len,
             chunk=chunk,
             norm_eps=c.get("rms_norm_eps", 1e-6),
@@ -119,6 +119,13 @@ class ModelArgs:
                 f"{args.full_attn_every} layers; this model supports only that pattern"
             )
         return args
+
+
+def _interval(layer_types) -> int:
+    """full_attention_interval read off a layer_types list (transformers stores only the list)."""
+    if not layer_types or "full_attention" not in layer_types:
+        raise CheckpointError("config.json: neither full_attention_interval nor a layer_types list with a full_attention layer")
+    return list(layer_types).index("full_attention") + 1
 
 
 # The named sizes. `tiny` exercises every feature (GQA, partial rotary, grouped delta-rule heads,
