@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,18 +68,23 @@ def load_example_inputs(data: bytes) -> tuple:
 def _target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
-    op = getattr(target, "_op", None)  # edge-dialect ops wrap an aten OpOverload
-    if op is not None:
-        return "edge:" + str(op)
-    name = getattr(target, "name", None)
-    if callable(name):
-        try:
-            return str(name())
-        except TypeError:
-            pass
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)  # "aten.mm.default"
+    if type(target).__name__ == "EdgeOpOverload":  # edge-dialect ops wrap an aten OpOverload
+        return "edge:" + str(target._op)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return "hop:" + target.name()
     module = getattr(target, "__module__", "") or ""
-    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
-    return f"{module}.{qual}"
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    return f"{module}.{qual}" if qual else _stable_repr(target)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _stable_repr(value: Any) -> str:
+    """repr without memory addresses, which differ from one process to the next."""
+    return _ADDRESS.sub("", f"{type(value).__name__}:{value}")
 
 
 def _canon(value: Any, index: dict) -> Any:
@@ -98,7 +104,7 @@ def _canon(value: Any, index: dict) -> Any:
         return str(value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return "sym:" + str(value)
-    return f"{type(value).__name__}:{value}"
+    return _stable_repr(value)
 
 
 def _tensor_meta(t: torch.Tensor) -> list:

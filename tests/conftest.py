@@ -1,0 +1,90 @@
+"""Shared fixtures: throwaway projects, caches, and one real tiny_lm build shared by many tests.
+
+A test project is a copy of dodo.py, cudabuild/ and recipes/ in a tmp dir, with its own cache
+dir, so a test can edit a recipe or corrupt the cache without touching anyone else's. The first
+real build (about 45 s on 2 cores) happens once per session; tests that change things start from
+a copy of the built project *and* of its cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Project:
+    root: Path
+    cache: Path
+
+    def env(self, **extra) -> dict:
+        env = dict(os.environ)
+        env.pop("CUDABUILD_REMOTE", None)
+        env.update(CUDABUILD_CACHE_DIR=str(self.cache), CUDABUILD_PROJECT=str(self.root), PYTHONUNBUFFERED="1")
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def doit(self, *args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "doit", *args], cwd=self.root, env=env or self.env(),
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+    def export(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return self.doit("export", *args, **kw)
+
+    def manifest(self, model: str = "tiny_lm", target: str = "cpu") -> dict:
+        return json.loads((self.root / "build" / model / target / "manifest.json").read_text())
+
+    def statuses(self, model: str = "tiny_lm", target: str = "cpu") -> dict[str, str]:
+        return {
+            (f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]): s["status"]
+            for s in self.manifest(model, target)["stages"]
+        }
+
+    def copy(self, dest: Path) -> "Project":
+        shutil.copytree(self.root, dest / "project", symlinks=True)
+        shutil.copytree(self.cache, dest / "cache", symlinks=True)
+        return Project(dest / "project", dest / "cache")
+
+
+def new_project(where: Path) -> Project:
+    root = where / "project"
+    root.mkdir(parents=True)
+    shutil.copy(REPO / "dodo.py", root / "dodo.py")
+    shutil.copytree(REPO / "cudabuild", root / "cudabuild", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "recipes", root / "recipes", ignore=shutil.ignore_patterns("__pycache__", "*.autotune.json"))
+    return Project(root, where / "cache")
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture
+def project(tmp_path) -> Project:
+    return new_project(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def built_tiny(tmp_path_factory) -> Project:
+    """A project where `doit export model=tiny_lm target=cpu` has run once (read-only for tests)."""
+    proj = new_project(tmp_path_factory.mktemp("built_tiny"))
+    result = proj.export("model=tiny_lm", "target=cpu")
+    assert_ok(result)
+    return proj
+
+
+@pytest.fixture
+def tiny_copy(built_tiny, tmp_path) -> Project:
+    """A private copy of the built project and its cache, free to modify."""
+    return built_tiny.copy(tmp_path)

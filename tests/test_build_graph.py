@@ -1,0 +1,195 @@
+"""The build graph's promises, end to end with real torch.export, ExecuTorch and AOTInductor:
+no-op, early cutoff, per-method reruns, history, restore, and bad input that caches nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import assert_ok
+
+pytestmark = pytest.mark.slow
+
+STAGES = ["probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
+          "compile.prefill", "package", "verify.decode", "verify.prefill"]
+
+
+def sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cache_entries(project) -> set:
+    from cudabuild.store import Store
+
+    store = Store(project.cache)
+    try:
+        return {k for k in store.cache.iterkeys() if k.startswith(("blob:", "rec:"))}
+    finally:
+        store.close()
+
+
+def test_cold_build_produces_verified_pte_and_ptd(built_tiny):
+    out = built_tiny.root / "build" / "tiny_lm" / "cpu"
+    manifest = built_tiny.manifest()
+    assert [s["status"] for s in manifest["stages"]] == ["ran"] * len(STAGES)
+    assert set(manifest["outputs"]) == {"model.pte", "aoti_cpu_blob.ptd"}
+    for name, digest in manifest["outputs"].items():
+        assert sha(out / name) == digest
+    assert manifest["toolchain"]["torch"].startswith("2.")
+    assert all(v["passed"] for v in manifest["verify"].values()) and set(manifest["verify"]) == {"decode", "prefill"}
+    # The runtime's layout: the .so named by its sha256 inside the .pte, the weights in the .ptd.
+    pte = (out / "model.pte").read_bytes()
+    assert b"_so_blob" in pte and b"CudabuildAotiCpu" in pte
+    assert b"_weights_blob" in (out / "aoti_cpu_blob.ptd").read_bytes()
+
+
+def test_methods_share_weights_once(built_tiny):
+    stamps = built_tiny.root / "build" / "tiny_lm" / "cpu" / ".stamps"
+    outputs = {s: json.loads((stamps / f"{s}.json").read_text())["outputs"] for s in STAGES}
+    # decode and prefill hold the same weights: one blob for both methods' programs at each stage,
+    # and one compiled weights blob, stored (and packaged into the .ptd) once.
+    for kind in ("export", "edge"):
+        assert outputs[f"{kind}.decode"]["weights.pt"] == outputs[f"{kind}.prefill"]["weights.pt"]
+    assert outputs["compile.decode"]["weights.blob"] == outputs["compile.prefill"]["weights.blob"]
+    from cudabuild.store import Store
+
+    store = Store(built_tiny.cache)
+    blob = store.read_bytes(outputs["compile.decode"]["weights.blob"])
+    store.close()
+    ptd = (built_tiny.root / "build" / "tiny_lm" / "cpu" / "aoti_cpu_blob.ptd").stat().st_size
+    assert len(blob) <= ptd < 2 * len(blob)
+
+
+def test_noop_runs_nothing_imports_no_torch_and_is_fast(tiny_copy):
+    probe = (
+        "import sys, runpy; sys.argv = ['doit', 'export', 'model=tiny_lm', 'target=cpu'];\n"
+        "from doit.doit_cmd import DoitMain; from doit.cmd_base import ModuleTaskLoader;\n"
+        "import dodo; rc = DoitMain(ModuleTaskLoader(dodo)).run(sys.argv[1:]);\n"
+        "print('IMPORTED', 'torch' in sys.modules, 'executorch' in sys.modules, rc)"
+    )
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tiny_copy.root, env=tiny_copy.env(),
+                            capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert_ok(result)
+    assert "IMPORTED False False 0" in result.stdout
+    assert set(tiny_copy.statuses().values()) == {"cached"}
+    assert elapsed < 1.0, f"no-op took {elapsed:.2f}s"
+
+
+def test_comment_edit_reruns_export_only(tiny_copy):
+    recipe = tiny_copy.root / "recipes" / "tiny_lm.py"
+    text = recipe.read_text()
+    text = text.replace("def decode_inputs(model: TinyLM):", "# a comment that changes no graph\ndef decode_inputs(model: TinyLM):")
+    text = text.replace("T = 8\n    return (torch.arange(T,", "length = 8\n    T = length\n    return (torch.arange(T,")
+    recipe.write_text(text)
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    statuses = tiny_copy.statuses()
+    assert statuses["export.decode"] == statuses["export.prefill"] == "ran"
+    assert {s for k, s in statuses.items() if not k.startswith("export")} == {"cached"}
+    reason = next(s for s in tiny_copy.manifest()["stages"] if s["stage"] == "export")["reason"]
+    assert "recipes/tiny_lm.py" in reason
+
+
+def test_one_method_spec_change_reruns_that_method_then_history_hits_both_ways(tiny_copy):
+    first = tiny_copy.manifest()["outputs"]
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu", "decode.emulate_precision_casts=OFF"))
+    statuses = tiny_copy.statuses()
+    ran = {k for k, s in statuses.items() if s == "ran"}
+    assert ran == {"compile.decode", "package", "verify.decode"}, statuses
+    compile_row = next(s for s in tiny_copy.manifest()["stages"] if s["stage"] == "compile" and s["method"] == "decode")
+    assert "emulate_precision_casts: ON -> OFF" in compile_row["reason"]
+    changed = tiny_copy.manifest()["outputs"]
+
+    # Back to the old value: doit alone would rebuild; the store remembers every configuration.
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    assert not {k for k, s in tiny_copy.statuses().items() if s == "ran"}
+    assert tiny_copy.manifest()["outputs"] == first
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu", "decode.emulate_precision_casts=OFF"))
+    assert not {k for k, s in tiny_copy.statuses().items() if s == "ran"}
+    assert tiny_copy.manifest()["outputs"] == changed
+
+
+def test_restore_after_wiping_build_dir_is_bit_identical(tiny_copy):
+    out = tiny_copy.root / "build" / "tiny_lm" / "cpu"
+    before = {name: sha(out / name) for name in ("model.pte", "aoti_cpu_blob.ptd")}
+    shutil.rmtree(tiny_copy.root / "build")
+    for db in tiny_copy.root.glob(".doit.db*"):
+        db.unlink()
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    statuses = tiny_copy.statuses()
+    assert set(statuses.values()) == {"restored"}, statuses
+    assert {name: sha(out / name) for name in before} == before
+
+
+def test_deleted_output_is_restored_not_rebuilt(tiny_copy):
+    out = tiny_copy.root / "build" / "tiny_lm" / "cpu"
+    digest = sha(out / "model.pte")
+    (out / "model.pte").unlink()
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    assert tiny_copy.statuses()["package"] == "restored"
+    assert sha(out / "model.pte") == digest
+
+
+def recorded_stages(project) -> set:
+    from cudabuild.store import Store
+
+    store = Store(project.cache)
+    try:
+        return {json.loads(store.cache.get(k))["stage"] for k in store.cache.iterkeys() if k.startswith("rec:")}
+    finally:
+        store.close()
+
+
+def _one_line_error(result) -> str:
+    assert result.returncode != 0
+    lines = [l for l in (result.stderr + result.stdout).splitlines() if l.startswith("cudabuild: error:")]
+    assert len(lines) == 1, result.stderr + result.stdout
+    assert "Traceback" not in result.stderr + result.stdout
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["model=no_such_model"], "unknown model 'no_such_model'; known models: "),
+        (["model=tiny_lm", "target=tpu"], "unknown target 'tpu'"),
+        (["model=tiny_lm", "target=cpu", "max_autotune=maybe"], "invalid value max_autotune=MAYBE"),
+        (["model=tiny_lm", "target=cpu", "decode.nonsense=ON"], "unknown setting 'decode.nonsense'"),
+        (["model=tiny_lm", "target=cpu", "triton_kernel_mode=ON"], "triton_kernel_mode=ON needs target=cuda"),
+        (["model=tiny_lm", "target=cpu", "seed=abc"], "option seed=abc is not an integer"),
+    ],
+)
+def test_bad_input_is_one_line_and_caches_nothing(project, args, expected):
+    result = project.export(*args)
+    line = _one_line_error(result)
+    assert expected in line
+    if "known models" in expected:
+        assert "tiny_lm" in line
+    assert not project.cache.exists() or not cache_entries(project)
+
+
+def test_recipe_that_fails_to_export_names_the_method_and_caches_nothing(project):
+    broken = project.root / "recipes" / "broken_lm.py"
+    text = (project.root / "recipes" / "tiny_lm.py").read_text()
+    # Data-dependent control flow cannot be exported: the prefill method must fail, by name.
+    text = text.replace("        T = tokens.shape[1]\n        x = self.embed(tokens)",
+                        "        T = tokens.shape[1]\n        if tokens.sum() > 0:\n            tokens = tokens + 0\n        x = self.embed(tokens)")
+    broken.write_text(text)
+    result = project.export("model=broken_lm", "target=cpu")
+    line = _one_line_error(result)
+    assert "method decode of broken_lm failed to export" in line
+    assert recorded_stages(project) <= {"probe"}  # the toolchain probe is valid; nothing of the model
+
+
+def test_recipe_syntax_error_names_file_and_line(project):
+    (project.root / "recipes" / "typo.py").write_text("from cudabuild.recipe import Recipe\n\nRECIPE = Recipe(\n")
+    line = _one_line_error(project.export("model=typo", "target=cpu"))
+    assert "recipes/typo.py:3" in line and "syntax error" in line
