@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets up ./.venv for this checkout; safe to run again (it does nothing that is already done).
+#   scripts/bootstrap.sh           torch, executorch, triton, doit, diskcache, cudabuild (editable)
+#   scripts/bootstrap.sh --test    the same, plus pytest and a redis-server for the remote-cache tests
+# On a machine without an NVIDIA GPU, torch is pinned to 2.13.0, the CPU build: an unpinned torch
+# would pull a multi-GB CUDA build that cannot be used there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_tests=0
+[ "${1:-}" = "--test" ] && want_tests=1
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+py=.venv/bin/python
+pip() { "$py" -m pip "$@"; }
+
+if ! "$py" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install -q torch
+  else
+    pip install -q torch==2.13.0
+  fi
+fi
+
+# Reinstall the project only when its declared dependencies changed.
+stamp=.venv/.cudabuild-installed
+want="$(sha256sum pyproject.toml | cut -c1-64)-$want_tests"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  if [ $want_tests = 1 ]; then pip install -q -e '.[test]'; else pip install -q -e .; fi
+  echo "$want" > "$stamp"
+fi
+
+if [ $want_tests = 1 ] && ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null
+  else
+    echo "bootstrap: redis-server is missing; the remote-cache tests will be skipped (apt-get install redis-server)" >&2
+  fi
+fi
