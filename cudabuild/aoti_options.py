@@ -1,7 +1,7 @@
 """AOTInductor options from a method's specs, the target and the probed toolchain.
 
-Fixed choices, and why: kernels are embedded in the .so and libtorch is not linked (the
-ExecuTorch runtime provides only its own shim set); constants go to a separate binary blob (the
+Fixed choices, and why: kernels are embedded in the .so and, on cuda, libtorch is not linked
+(the ExecuTorch runtime provides only its own shim set); constants go to a separate binary blob (the
 .ptd) instead of the .so; loop ordering after fusion stays off (the backend's sdpa decomposition
 needs it). On cuda, GEMM and convolution tuning uses Triton templates only (ATen choices would call
 libtorch); on cpu, ATen and C++ templates (Triton has no CPU GEMM choice). The result is plain
@@ -46,6 +46,9 @@ def aoti_options(specs: Mapping[str, str], target: str, toolchain: Mapping[str, 
     else:
         options["max_autotune_gemm_backends"] = "ATEN,CPP"
         options["max_autotune_conv_backends"] = "ATEN"
+        # The cpu artifact runs under torch's own AOTI runner, where libtorch is present anyway;
+        # without it the C++ GEMM templates' benchmark harness fails to load (aoti_torch_check).
+        options["aot_inductor.link_libtorch"] = True
     return options
 
 

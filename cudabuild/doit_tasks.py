@@ -79,6 +79,12 @@ def export_tasks(runner: Runner, group: str = "export"):
         }
 
     def manifest():
+        if runner.config.autotune == "pin":
+            try:
+                path = runner.pin_autotune()
+            except CudabuildError as e:
+                return TaskFailed(one_line(e))
+            print(f"autotune decisions pinned in {path.relative_to(runner.config.project)}")
         manifest = runner.write_manifest()
         print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir)
         return True

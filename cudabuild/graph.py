@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from .config import BuildConfig
 from .specs import specs_for_stage
+from .tuning import pinned_digest
 
 STAGE_VERSIONS = {"probe": 1, "export": 1, "edge": 1, "compile": 1, "package": 1, "verify": 1}
 KINDS = tuple(STAGE_VERSIONS)
@@ -108,6 +109,8 @@ def stage_inputs(stage: Stage, config: BuildConfig, read: StampReader, cheap_fin
             "graph": _digest_of(read, Stage("edge", m)),
             "specs": specs_for_stage(config.specs[m], "compile"),
             "toolchain": _toolchain(read),
+            # Pinned tuning decisions dictate the kernels: a different pin is a different compile.
+            "autotune_pin": pinned_digest(config.project, config.model, config.target, m),
         }
     if stage.kind == "package":
         return {

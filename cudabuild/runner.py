@@ -53,9 +53,14 @@ class StageContext:
     config: BuildConfig
     stage: Stage
     inputs: dict
+    key: str
     workdir: Path
     runner: "Runner"
     log: Callable[[str], None] = print
+
+    @property
+    def store(self) -> Store:
+        return self.runner.store
 
     def upstream(self, kind: str, method: Optional[str] = None) -> dict:
         return self.runner.require_stamp(Stage(kind, method))
@@ -176,7 +181,7 @@ class Runner:
         module = importlib.import_module(STAGE_MODULES[stage.kind])
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
-            ctx = StageContext(self.config, stage, inputs, Path(tmp), self, self.log)
+            ctx = StageContext(self.config, stage, inputs, key, Path(tmp), self, self.log)
             result: StageResult = module.run(ctx)
             outputs = {name: self.store.put_file(path) for name, path in sorted(result.files.items())}
             seconds = round(time.monotonic() - start, 3)
@@ -265,6 +270,31 @@ class Runner:
         return {"model": self.config.model, "target": self.config.target, "options": dict(self.config.options),
                 "specs": {m: dict(s) for m, s in self.config.specs.items()}, "toolchain": probe.get("value"),
                 "stages": stages, "outputs": dict(sorted(outputs.items())), "verify": verify}
+
+    def pin_autotune(self) -> Path:
+        """`autotune=pin`: write every method's tuning decisions to recipes/<model>.autotune.json.
+
+        The compile stamps are then re-keyed to the inputs that name the new pin: replaying the
+        decisions a compile just made reproduces that compile, so nothing is rebuilt for it.
+        """
+        from .tuning import write_pins
+
+        entries = {}
+        for method in self.config.methods:
+            data = json.loads(self.read_output(Stage("compile", method), "autotune.json"))
+            entries[method] = {"tuning_key": data["tuning_key"], "files": data["files"]}
+        path = write_pins(self.config.project, self.config.model, self.config.target, entries)
+        for method in self.config.methods:
+            stage = Stage("compile", method)
+            stamp = self.require_stamp(stage)
+            inputs = self.inputs(stage)
+            key = digest(inputs)
+            if key == stamp["key"]:
+                continue
+            record = {k: stamp[k] for k in ("digest", "outputs", "finals", "value", "seconds")}
+            self.store.put_record(key, dict(record, stage=stage.id))
+            self._write_stamp(stage, dict(stamp, key=key, inputs=inputs))
+        return path
 
     def write_manifest(self) -> dict:
         manifest = self.manifest()

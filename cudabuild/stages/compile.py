@@ -1,11 +1,18 @@
-"""compile: AOTInductor on one method's edge program -> model.so + weights.blob.
+"""compile: AOTInductor on one method's edge program -> model.so + weights.blob (+ autotune.json).
 
 Everything process-global the compile touches is scoped to it and undone afterwards, also on
-error: the environment (a fixed inductor cache path, which ends up embedded in the .so, and on
-cuda the probed TRITON_PTXAS_PATH / TORCH_CUDA_ARCH_LIST plan), the fallback-kernel collector, the
-SDPA backend choice, and with low_memory_mode=ON the KV-freeing device move and the CPU-clone
-patches (cudabuild.lowmem). Device memory the method held is released before returning, so the
-next method starts from an empty device.
+error: the environment (the inductor cache dir, line-info switches, and on cuda the probed
+TRITON_PTXAS_PATH / TORCH_CUDA_ARCH_LIST plan), the fallback-kernel collector, the SDPA backend
+choice, and with low_memory_mode=ON the KV-freeing device move and the CPU-clone patches
+(cudabuild.lowmem). Device memory the method held is released before returning, so the next
+method starts from an empty device.
+
+Reproducibility: each compile runs in a private inductor dir whose absolute path is a function of
+the action key (`$CUDABUILD_INDUCTOR_DIR/<key>`), emptied first. Inductor embeds that path in the
+generated wrapper, so the same inputs compile in the same place on every machine, and nothing a
+previous compile left there leaks in. Line tables and Triton line info, which embed source paths,
+are off. Tuning decisions are restored before compiling (pinned, or from an earlier compile with
+the same tuning key) and harvested afterwards (cudabuild.tuning).
 """
 
 from __future__ import annotations
@@ -14,25 +21,30 @@ import contextlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 from ..aoti_options import aoti_options, with_custom_shims
 from ..cuda_env import scoped_environ
 from ..errors import CompileFailed, one_line
 from ..fallbacks import collect_fallbacks, unsupported_on_cuda
+from ..hashing import digest, sha256_file
 from ..programs import load_program
 from ..runner import StageResult
+from .. import tuning
 
 DEFAULT_INDUCTOR_DIR = "/tmp/cudabuild-inductor"
 
 
-def inductor_cache_dir() -> str:
-    # A fixed absolute path: inductor embeds it in the generated wrapper, so builds on different
-    # machines (or after a cache wipe) only give identical bytes if it is the same everywhere.
-    return os.environ.get("CUDABUILD_INDUCTOR_DIR", DEFAULT_INDUCTOR_DIR)
+def inductor_dir_for(key: str) -> Path:
+    return Path(os.environ.get("CUDABUILD_INDUCTOR_DIR", DEFAULT_INDUCTOR_DIR)) / key[:20]
 
 
-def compile_environment(target: str, toolchain: dict) -> dict[str, str]:
-    env = {"TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+def compile_environment(target: str, toolchain: dict, cache_dir: Path) -> dict[str, str]:
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+        "AOT_INDUCTOR_ENABLE_LINE_TABLES": "0",
+        "TRITON_DISABLE_LINE_INFO": "1",
+    }
     if target == "cuda":
         env.update((toolchain.get("cuda") or {}).get("env") or {})
     return env
@@ -55,8 +67,12 @@ def run(ctx) -> StageResult:
     low_memory = specs.get("low_memory_mode") == "ON"
     device = "cuda" if target == "cuda" else "cpu"
     ep = load_program(lambda name: ctx.blob("edge", method, name))
+    cache_dir = inductor_dir_for(ctx.key)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    tuning_key, source = _restore_tuning(ctx, cache_dir, toolchain, specs)
 
-    with scoped_environ(compile_environment(target, toolchain)), contextlib.ExitStack() as scope:
+    with scoped_environ(compile_environment(target, toolchain, cache_dir)), contextlib.ExitStack() as scope:
         ep = lowmem.move_program_to_device(ep, device, low_memory=low_memory)
         try:
             if target == "cuda":
@@ -91,7 +107,34 @@ def run(ctx) -> StageResult:
     files = {"model.so": ctx.workdir / "model.so", "weights.blob": ctx.workdir / "weights.blob"}
     shutil.move(so, files["model.so"])
     shutil.move(blob, files["weights.blob"])
+    decisions = tuning.harvest(cache_dir)
+    if decisions and source != "pinned":
+        ctx.store.put_json(f"tune:{tuning_key}", {"files": decisions})
+    if not os.environ.get("CUDABUILD_KEEP_INDUCTOR"):
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    files["autotune.json"] = _write_json(ctx.workdir / "autotune.json", {"tuning_key": tuning_key, "source": source, "files": decisions})
     report = {"fallback_kernels": used, "options": {k: v for k, v in options.items() if isinstance(v, (bool, str, int))}}
-    files["compile.json"] = ctx.workdir / "compile.json"
-    files["compile.json"].write_text(json.dumps(report, indent=1, sort_keys=True))
-    return StageResult(files, value={"fallback_kernels": used})
+    files["compile.json"] = _write_json(ctx.workdir / "compile.json", report)
+    # Downstream depends on the compiled bytes only, not on the tuning timings beside them.
+    compiled = digest({name: sha256_file(files[name]) for name in ("model.so", "weights.blob")})
+    return StageResult(files, digest=compiled, value={"fallback_kernels": used, "autotune": source, "decisions": len(decisions)})
+
+
+def _write_json(path: Path, value) -> Path:
+    path.write_text(json.dumps(value, indent=1, sort_keys=True))
+    return path
+
+
+def _restore_tuning(ctx, cache_dir: Path, toolchain: dict, specs: dict) -> tuple[str, str]:
+    """Put earlier decisions in place; returns (tuning key, where they came from)."""
+    config, method = ctx.config, ctx.stage.method
+    key = tuning.tuning_key(ctx.inputs["graph"], toolchain, specs)
+    entry = tuning.pinned(config.project, config.model, config.target, method)
+    if entry:
+        tuning.restore(cache_dir, entry["files"])
+        return key, "pinned"
+    stored = ctx.store.get_json(f"tune:{key}")
+    if stored and stored.get("files"):
+        tuning.restore(cache_dir, stored["files"])
+        return key, "replayed"
+    return key, "tuned" if specs.get("max_autotune") == "ON" else "none"
