@@ -21,10 +21,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
-try:  # The project's error base when present; a checkpoint error is a bad input value either way.
-    from cudabuild.errors import CudabuildError as _ErrorBase
-except ImportError:  # pragma: no cover - depends on the rest of the package
-    _ErrorBase = ValueError
+from cudabuild.errors import CudabuildError
 
 PathLike = Union[str, os.PathLike]
 
@@ -41,7 +38,7 @@ _DTYPES = {
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
-class CheckpointError(_ErrorBase):
+class CheckpointError(CudabuildError):
     """A checkpoint that cannot fill the model: the message names the tensor and the file."""
 
 

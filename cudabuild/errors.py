@@ -54,6 +54,10 @@ class MissingBlob(CudabuildError):
     pass
 
 
+class InvalidRemote(CudabuildError):
+    """$CUDABUILD_REMOTE or one of its companion variables does not parse."""
+
+
 def one_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message, prefixed by its type when it is not ours."""
     text = str(exc).strip()

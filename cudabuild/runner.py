@@ -196,6 +196,7 @@ class Runner:
             "key": key, "inputs": inputs, "digest": stage_digest, "outputs": outputs, "finals": finals,
             "value": result.value, "status": "ran", "seconds": seconds, "run": self.run_id, "reason": why,
         })
+        self.store.enforce_limit(self.config.project)
 
     @contextlib.contextmanager
     def _key_lock(self, key: str):

@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import diskcache
 
@@ -184,5 +184,96 @@ class Store:
                 entries.append(json.loads(raw))
         return entries
 
+    # -- inspection and eviction (cudabuild.cache_admin, cudabuild.explain) ---------------------
+    # These read diskcache's `Cache` table directly, so that looking does not count as a use: the
+    # access_time that least-recently-used eviction orders by moves only when a build reads an entry.
+
+    def entries(self, prefix: str) -> list[Entry]:
+        """Every entry whose key starts with `prefix` ("blob:", "rec:", ...), with its size and times."""
+        rows = self.cache._sql(
+            "SELECT key, CASE WHEN filename IS NULL THEN COALESCE(length(value), 0) ELSE size END,"
+            " access_time, store_time FROM Cache WHERE raw = 1 AND substr(key, 1, ?) = ?",
+            (len(prefix), prefix),
+        ).fetchall()
+        return [Entry(*row) for row in rows]
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """{key prefix ("blob", "rec", "stat", "doc", "log"): (entries, bytes)}."""
+        rows = self.cache._sql(
+            "SELECT substr(key, 1, instr(key, ':') - 1) AS kind, COUNT(*),"
+            " SUM(CASE WHEN filename IS NULL THEN COALESCE(length(value), 0) ELSE size END)"
+            " FROM Cache WHERE raw = 1 GROUP BY kind"
+        ).fetchall()
+        return {kind: (count, size or 0) for kind, count, size in rows}
+
+    def size(self) -> int:
+        """Bytes held in blobs and records: what a size limit (gc, CUDABUILD_CACHE_MAX_SIZE) bounds."""
+        usage = self.usage()
+        return sum(usage.get(kind, (0, 0))[1] for kind in ("blob", "rec"))
+
+    def _peek(self, key: str):
+        rows = self.cache._sql("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchall()
+        if not rows:
+            return None
+        mode, filename, value = rows[0]
+        try:
+            return self.cache._disk.fetch(mode, filename, value, False)
+        except OSError:  # deleted by another process between the select and the read
+            return None
+
+    def peek_record(self, key: str) -> Optional[dict]:
+        """Like get_record, without marking the record as used."""
+        raw = self._peek("rec:" + key)
+        try:
+            record = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        if record is None or not all(self.has_blob(sha) for sha in record.get("outputs", {}).values()):
+            return None
+        return record
+
+    def records(self) -> Iterator[tuple[str, dict]]:
+        """Every (action key, record), readable or not-yet-dropped, without marking any as used."""
+        for entry in self.entries("rec:"):
+            raw = self._peek(entry.key)
+            try:
+                record = json.loads(raw) if raw is not None else None
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                yield entry.key[len("rec:"):], record
+
+    def evict(self, key: str) -> bool:
+        """Delete one entry by its full key ("blob:<sha>", "rec:<key>"); False if it was already gone."""
+        return self.cache.delete(key)
+
+    def enforce_limit(self, project: os.PathLike | str):
+        """Keep blobs and records under $CUDABUILD_CACHE_MAX_SIZE (unset: no limit).
+
+        Evicts least-recently-used entries that no stamp under `project`/build/ references (see
+        cache_admin.gc), so the current build's own inputs and outputs are never evicted, and what
+        was evicted is never needed again by this build. Cheap when under the limit: one SQL sum.
+        Returns cache_admin.GcReport when it evicted something, else None.
+        """
+        raw = os.environ.get(MAX_SIZE_ENV, "").strip()
+        if not raw:
+            return None
+        from . import cache_admin  # cache_admin builds on Store: imported here, not at module load
+
+        limit = cache_admin.parse_size(raw, where=MAX_SIZE_ENV)
+        if self.size() <= limit:
+            return None
+        return cache_admin.gc(self, Path(project), max_bytes=limit)
+
     def close(self) -> None:
         self.cache.close()
+
+
+MAX_SIZE_ENV = "CUDABUILD_CACHE_MAX_SIZE"
+
+
+class Entry(NamedTuple):
+    key: str
+    bytes: int
+    access_time: float
+    store_time: float

@@ -22,8 +22,14 @@ from .hashing import stat_signature
 PACKAGES = ("torch", "triton", "executorch")
 
 # Variables that change what inductor/Triton/AOTI generate (cache dirs are set by cudabuild itself).
-ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "AOT_INDUCTOR_", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT",
-                "CUDABUILD_INDUCTOR_DIR")
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "AOT_INDUCTOR_", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")
+DEFAULT_INDUCTOR_DIR = "/tmp/cudabuild-inductor"
+
+
+def inductor_root() -> str:
+    """Where compiles get their private inductor dirs. The path ends up inside every .so, so it
+    is part of the toolchain: the same absolute path everywhere gives the same bytes everywhere."""
+    return os.environ.get("CUDABUILD_INDUCTOR_DIR") or DEFAULT_INDUCTOR_DIR
 ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_REDIS_URL", "TORCHINDUCTOR_REDIS_HOST",
                "TORCHINDUCTOR_REDIS_PORT", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE"}
 
@@ -52,6 +58,7 @@ def cheap_fingerprint(target: str) -> dict:
         "packages": {name: package_version(name) for name in PACKAGES},
         "compiler": {"path": cxx, "stat": stat_signature(os.path.realpath(cxx)) if cxx else None},
         "env": relevant_env(),
+        "inductor_root": inductor_root(),
     }
     if target == "cuda":
         from .cuda_env import cheap_cuda_fingerprint
@@ -83,6 +90,7 @@ def probe(target: str) -> dict:
         "executorch": package_version("executorch"),
         "compiler": _compiler_version(compiler_path()),
         "env": relevant_env(),
+        "inductor_root": inductor_root(),
     }
     if target == "cuda":
         result["cuda"] = _probe_cuda(torch)

@@ -75,13 +75,21 @@ def project(tmp_path) -> Project:
     return new_project(tmp_path)
 
 
+_SESSION: dict[str, Project] = {}
+
+
+def tiny_build(tmp_path_factory) -> Project:
+    """The session's one real `doit export model=tiny_lm target=cpu` (read-only: copy it to change it)."""
+    if "tiny" not in _SESSION:
+        proj = new_project(tmp_path_factory.mktemp("built_tiny"))
+        assert_ok(proj.export("model=tiny_lm", "target=cpu"))
+        _SESSION["tiny"] = proj
+    return _SESSION["tiny"]
+
+
 @pytest.fixture(scope="session")
 def built_tiny(tmp_path_factory) -> Project:
-    """A project where `doit export model=tiny_lm target=cpu` has run once (read-only for tests)."""
-    proj = new_project(tmp_path_factory.mktemp("built_tiny"))
-    result = proj.export("model=tiny_lm", "target=cpu")
-    assert_ok(result)
-    return proj
+    return tiny_build(tmp_path_factory)
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
 """cudabuild.lowmem with real torch.export and a real AOTInductor compile (CPU, and CUDA if present)."""
 
+import ctypes
+import os
+
 import pytest
 import torch
 from torch._inductor import compile_fx, graph
@@ -152,6 +155,12 @@ def compile_and_load(ep, inputs, device: str, out_dir):
             ep.module(), inputs, options={**AOTI_OPTIONS, "aot_inductor.output_path": str(out_dir)}
         )
     so = next(f for f in files if f.endswith(".so"))
+    # torch loads libtorch RTLD_LOCAL; on torch 2.11 the runner segfaults on dlopen unless its
+    # symbols are global (seen on the H200 even with link_libtorch on).
+    for name in ("libtorch_cpu.so", "libtorch_cuda.so"):
+        path = os.path.join(os.path.dirname(torch.__file__), "lib", name)
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     blob = next(f for f in files if f.endswith(".blob"))
     if device == "cpu":
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
@@ -173,10 +182,10 @@ DEVICES = [
 @pytest.mark.parametrize("device", DEVICES)
 def test_low_memory_compile_matches_eager(device, tmp_path):
     torch.manual_seed(0)
-    model = TinyDecoder().to(device)
-    eager = TinyDecoder().to(device)
+    with torch.device(device):  # also places the plain `scratch` attribute, which .to() skips
+        model, eager = TinyDecoder(), TinyDecoder()
+        inputs = (torch.randn(1, 4), torch.tensor([3]))
     eager.load_state_dict(model.state_dict())
-    inputs = (torch.randn(1, 4, device=device), torch.tensor([3], device=device))
     ep = move_program_to_device(torch.export.export(model, inputs), device, low_memory=True)
     assert ep.state_dict["kv_cache.k"].untyped_storage().nbytes() == 0
 

@@ -15,7 +15,7 @@ data-dependent shapes. `forward(tokens, input_pos)` traces one of two graphs:
 Shape letters:
   B batch (1)        T new tokens        S max_seq_len (cache length)   N = B*T tokens
   D model dim        V vocab             H attention heads              G kv heads
-  Dh head dim        R rotary dims       Hv delta-rule heads            K key dim   Dv value dim
+  Dh head dim        R rotary dims       Hk, Hv delta-rule key, value heads  K key dim  Dv value dim
   C conv channels    W conv width        E experts   k experts a token  I expert hidden
   L delta-rule chunk n chunks
 """
@@ -647,6 +647,34 @@ def hf_skipped(args: ModelArgs, prefix: str):
     return skipped
 
 
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """A Hugging Face config.json for `args` (text config only), as `ModelArgs.from_hf` reads it."""
+    return {
+        "model_type": "qwen3_5_moe_text",
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta, "partial_rotary_factor": args.rope_fraction},
+        "linear_num_key_heads": args.lin_k_heads,
+        "linear_num_value_heads": args.lin_v_heads,
+        "linear_key_head_dim": args.lin_k_dim,
+        "linear_value_head_dim": args.lin_v_dim,
+        "linear_conv_kernel_dim": args.conv_width,
+        "num_experts": args.n_experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.expert_dim,
+        "shared_expert_intermediate_size": args.shared_dim,
+        "layer_types": ["full_attention" if args.is_full_attention(i) else "linear_attention" for i in range(args.n_layers)],
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
+    }
+
+
 def from_checkpoint(path, max_seq_len: int, chunk: int, n_layers: int = 0) -> Transformer:
     """A Transformer loaded from a Hugging Face directory (config.json + *.safetensors).
 
@@ -659,7 +687,9 @@ def from_checkpoint(path, max_seq_len: int, chunk: int, n_layers: int = 0) -> Tr
     args = ModelArgs.from_hf(config, max_seq_len=max_seq_len, chunk=chunk).with_layers(n_layers)
     text = config.get("text_config", config)
     dtype_name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
-    dtype = getattr(torch, dtype_name or "bfloat16")
+    dtype = getattr(torch, dtype_name or "bfloat16", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"{path}/config.json: dtype {dtype_name!r} is not a floating-point torch dtype")
     model = build(args, dtype, seed=None)
     names = checkpoint.tensor_files(path)
     prefix, fused = hf_layout(names)

@@ -30,13 +30,11 @@ from ..fallbacks import collect_fallbacks, unsupported_on_cuda
 from ..hashing import digest, sha256_file
 from ..programs import load_program
 from ..runner import StageResult
+from ..toolchain import inductor_root
 from .. import tuning
 
-DEFAULT_INDUCTOR_DIR = "/tmp/cudabuild-inductor"
-
-
 def inductor_dir_for(key: str) -> Path:
-    return Path(os.environ.get("CUDABUILD_INDUCTOR_DIR", DEFAULT_INDUCTOR_DIR)) / key[:20]
+    return Path(inductor_root()) / key[:20]
 
 
 def compile_environment(target: str, toolchain: dict, cache_dir: Path) -> dict[str, str]:
@@ -72,6 +70,11 @@ def run(ctx) -> StageResult:
     cache_dir.mkdir(parents=True)
     tuning_key, source = _restore_tuning(ctx, cache_dir, toolchain, specs)
 
+    if device == "cuda":
+        # Peak device memory of this method's compile; torch 2.11 refuses to reset the counter
+        # before CUDA is initialised, hence the allocation first.
+        torch.zeros(1, device="cuda")
+        torch.cuda.reset_peak_memory_stats(0)
     with scoped_environ(compile_environment(target, toolchain, cache_dir)), contextlib.ExitStack() as scope:
         ep = lowmem.move_program_to_device(ep, device, low_memory=low_memory)
         try:
@@ -117,7 +120,10 @@ def run(ctx) -> StageResult:
     files["compile.json"] = _write_json(ctx.workdir / "compile.json", report)
     # Downstream depends on the compiled bytes only, not on the tuning timings beside them.
     compiled = digest({name: sha256_file(files[name]) for name in ("model.so", "weights.blob")})
-    return StageResult(files, digest=compiled, value={"fallback_kernels": used, "autotune": source, "decisions": len(decisions)})
+    value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions)}
+    if device == "cuda":
+        value["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(0)
+    return StageResult(files, digest=compiled, value=value)
 
 
 def _write_json(path: Path, value) -> Path:

@@ -1,0 +1,7 @@
+"""`python -m cudabuild ...`: the same command as the `cudabuild` console script (see cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

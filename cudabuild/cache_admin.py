@@ -1,0 +1,304 @@
+"""Looking after the store: `cudabuild cache stats | verify | gc`, size limits, and what is pinned.
+
+- pins: every blob a stamp under <project>/build/*/*/.stamps/ names, and the record of every
+  stamp's key. What build/ references is never evicted, so a build in progress (which writes its
+  stamps as it goes) never loses an input it still needs.
+- gc: least-recently-used eviction of unpinned blobs and records (diskcache's access_time, which
+  only builds move), down to a size and/or past an age; records left naming an evicted blob go too.
+- verify: re-hash every blob, drop the corrupt ones and the records that named them.
+- stats: the store's contents, and what the build log says the cache did for the last N builds.
+
+The size a limit bounds is the bytes of blobs and records (the memo, docs and build log are
+bookkeeping, a few KiB). Reads go through Store's inspection methods, which do not count as uses.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .errors import InvalidOption
+from .store import Store
+
+# -- sizes ---------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+          "ti": 2**40, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, where: str = "size") -> int:
+    """Bytes from `500M`, `2G`, `1.5GiB`, `123456`: K/M/G/T are powers of 1000, KiB/MiB/GiB/TiB of 1024."""
+    match = _SIZE.match(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise InvalidOption(
+            f"{where} '{text}' is not a size; use bytes or a number with K, M, G, T (powers of 1000) "
+            f"or KiB, MiB, GiB, TiB (powers of 1024), e.g. 500M or 1.5GiB"
+        )
+    return int(float(match.group(1)) * unit)
+
+
+def plural(n: int, word: str, words: str = "") -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# -- pins ----------------------------------------------------------------------------------------
+
+
+def stamps(project: Path) -> Iterator[tuple[str, dict]]:
+    """("model/target/stage", stamp) for every readable stamp under project/build/."""
+    for path in sorted(Path(project).glob("build/*/*/.stamps/*.json")):
+        try:
+            stamp = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced right now, or damaged: the runner treats it as absent too
+        if isinstance(stamp, dict):
+            yield f"{path.parent.parent.parent.name}/{path.parent.parent.name}/{path.stem}", stamp
+
+
+@dataclass
+class Pins:
+    blobs: set[str] = field(default_factory=set)
+    keys: set[str] = field(default_factory=set)
+    stamps: int = 0
+
+    def holds(self, entry_key: str) -> bool:
+        kind, _, name = entry_key.partition(":")
+        return name in (self.blobs if kind == "blob" else self.keys if kind == "rec" else ())
+
+
+def pins(project: Path) -> Pins:
+    found = Pins()
+    for _, stamp in stamps(project):
+        found.stamps += 1
+        found.blobs.update((stamp.get("outputs") or {}).values())
+        if stamp.get("key"):
+            found.keys.add(stamp["key"])
+    return found
+
+
+def _drop_dangling_records(store: Store) -> list[tuple[str, str]]:
+    """Drop records that name a blob the store no longer has; [(key, stage)] of those dropped."""
+    dropped = []
+    for key, record in list(store.records()):
+        if not all(store.has_blob(sha) for sha in (record.get("outputs") or {}).values()):
+            store.drop_record(key)
+            dropped.append((key, record.get("stage", "?")))
+    return dropped
+
+
+# -- gc ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GcReport:
+    evicted_blobs: int = 0
+    evicted_records: int = 0
+    evicted_bytes: int = 0
+    dangling_records: int = 0
+    size_after: int = 0
+    pinned_bytes: int = 0
+    pinned_blobs: int = 0
+    stamps: int = 0
+    max_bytes: Optional[int] = None
+    max_age_days: Optional[float] = None
+
+    def lines(self) -> list[str]:
+        rules = []
+        if self.max_bytes is not None:
+            rules.append(f"limit {format_bytes(self.max_bytes)}")
+        if self.max_age_days is not None:
+            rules.append(f"max age {self.max_age_days:g} days")
+        dangling = ""
+        if self.dangling_records:
+            dangling = f"; dropped {plural(self.dangling_records, 'record')} left without their blobs"
+        out = [
+            f"evicted {plural(self.evicted_blobs, 'blob')} and {plural(self.evicted_records, 'record')} "
+            f"({format_bytes(self.evicted_bytes)}), least recently used first{dangling}",
+            f"store now {format_bytes(self.size_after)} in blobs and records ({', '.join(rules)}); "
+            f"kept {plural(self.pinned_blobs, 'blob')} ({format_bytes(self.pinned_bytes)}) "
+            f"that {plural(self.stamps, 'stamp')} under build/ reference",
+        ]
+        if self.max_bytes is not None and self.pinned_bytes > self.max_bytes:
+            out.append("note: what build/ references alone is over the limit; it was kept "
+                       "(delete build/<model> folders to release it)")
+        return out
+
+
+def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_days: Optional[float] = None,
+       now: Optional[float] = None) -> GcReport:
+    """Evict unpinned blobs and records: older than max_age_days, then least recently used until max_bytes."""
+    now = time.time() if now is None else now
+    pinned = pins(project)
+    entries = store.entries("blob:") + store.entries("rec:")
+    report = GcReport(max_bytes=max_bytes, max_age_days=max_age_days, stamps=pinned.stamps)
+    kept = [e for e in entries if pinned.holds(e.key)]
+    report.pinned_blobs = sum(1 for e in kept if e.key.startswith("blob:"))
+    report.pinned_bytes = sum(e.bytes for e in kept)
+    total = sum(e.bytes for e in entries)
+    for entry in sorted((e for e in entries if not pinned.holds(e.key)), key=lambda e: (e.access_time, e.key)):
+        too_old = max_age_days is not None and entry.access_time < now - max_age_days * 86400
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            continue
+        if store.evict(entry.key):
+            total -= entry.bytes
+            report.evicted_bytes += entry.bytes
+            if entry.key.startswith("blob:"):
+                report.evicted_blobs += 1
+            else:
+                report.evicted_records += 1
+    if report.evicted_blobs:
+        report.dangling_records = len(_drop_dangling_records(store))
+    report.size_after = store.size()
+    return report
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    checked_bytes: int = 0
+    dropped: list[str] = field(default_factory=list)  # "sha12 (stage name)"
+    dropped_records: list[str] = field(default_factory=list)  # "stage (key12)"
+    stamps_affected: list[str] = field(default_factory=list)  # "model/target/stage"
+
+    @property
+    def clean(self) -> bool:
+        return not (self.dropped or self.dropped_records)
+
+    def lines(self) -> list[str]:
+        out = [f"re-hashed {plural(self.checked, 'blob')} ({format_bytes(self.checked_bytes)}): "
+               f"{self.checked - len(self.dropped)} intact, {len(self.dropped)} dropped"
+               + (f" (failed the sha256 check or unreadable): {', '.join(self.dropped)}" if self.dropped else "")]
+        if self.dropped_records:
+            out.append(f"dropped {plural(len(self.dropped_records), 'record')} that named a missing blob: "
+                       f"{', '.join(self.dropped_records)}")
+        if self.stamps_affected:
+            more = len(self.stamps_affected) - 4
+            shown = ", ".join(self.stamps_affected[:4]) + (f" and {more} more" if more > 0 else "")
+            out.append(f"stamps under build/ naming a blob this cache lacks: {shown} "
+                       f"(a build that needs one runs its producer again)")
+        return out
+
+
+def verify(store: Store, project: Path) -> VerifyReport:
+    """Re-hash every blob; drop corrupt ones, then every record that names a blob no longer present."""
+    names: dict[str, str] = {}
+    for _, record in store.records():
+        for name, sha in (record.get("outputs") or {}).items():
+            names.setdefault(sha, f"{record.get('stage', '?')} {name}")
+    report = VerifyReport()
+    for entry in store.entries("blob:"):
+        sha = entry.key[len("blob:"):]
+        report.checked += 1
+        report.checked_bytes += entry.bytes
+        if not store.verify_blob(sha):
+            report.dropped.append(f"{sha[:12]} ({names.get(sha, 'no record names it')})")
+    report.dropped_records = [f"{stage} ({key[:12]})" for key, stage in _drop_dangling_records(store)]
+    for where, stamp in stamps(project):
+        if any(not store.has_blob(sha) for sha in (stamp.get("outputs") or {}).values()):
+            report.stamps_affected.append(where)
+    return report
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+_STATUS = {"cached": "hits", "restored": "restores", "ran": "misses"}
+
+
+@dataclass
+class KindStats:
+    hits: int = 0  # up to date in build/
+    restores: int = 0  # served from the store
+    misses: int = 0  # ran
+    saved_seconds: float = 0.0
+    saved_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hits + self.restores + self.misses
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        return (self.hits + self.restores) / self.total if self.total else None
+
+
+@dataclass
+class Stats:
+    usage: dict
+    builds: int
+    kinds: dict  # stage kind -> KindStats, in build order
+    unknown_bytes: int = 0  # served results whose record is no longer in the store
+
+    @property
+    def all(self) -> KindStats:
+        total = KindStats()
+        for k in self.kinds.values():
+            for name in ("hits", "restores", "misses", "saved_seconds", "saved_bytes"):
+                setattr(total, name, getattr(total, name) + getattr(k, name))
+        return total
+
+    def lines(self, root: Path) -> list[str]:
+        u = self.usage
+        blobs, recs = u.get("blob", (0, 0)), u.get("rec", (0, 0))
+        other = [u[k] for k in u if k not in ("blob", "rec")]
+        out = [f"cache {root}: {plural(blobs[0], 'blob')} {format_bytes(blobs[1])}, {plural(recs[0], 'record')} "
+               f"{format_bytes(recs[1])}, {plural(sum(c for c, _ in other), 'other entry', 'other entries')} "
+               f"{format_bytes(sum(b for _, b in other))} (memo, docs, build log)"]
+        if not self.builds:
+            return out + ["no builds logged yet"]
+        out.append(f"last {plural(self.builds, 'build')} (hits: up to date in build/; restores: from the store; misses: ran)")
+        out.append(f"  {'stage':<10}{'hits':>6}{'restores':>10}{'misses':>8}{'hit rate':>10}{'time saved':>12}{'bytes saved':>13}")
+        for kind, k in list(self.kinds.items()) + [("all", self.all)]:
+            rate = f"{k.hit_rate:.0%}" if k.hit_rate is not None else "-"
+            out.append(f"  {kind:<10}{k.hits:>6}{k.restores:>10}{k.misses:>8}{rate:>10}"
+                       f"{k.saved_seconds:>11.1f}s{format_bytes(k.saved_bytes):>13}")
+        a = self.all
+        out.append(f"served {a.hits + a.restores} of {a.total} stage results without running them: "
+                   f"{a.saved_seconds:.1f}s of run time and {format_bytes(a.saved_bytes)} of artifacts saved"
+                   + (f" ({self.unknown_bytes} served results no longer in the store are not counted in bytes)"
+                      if self.unknown_bytes else ""))
+        return out
+
+
+def stats(store: Store, last: Optional[int] = None) -> Stats:
+    """Counts by stage kind over the last `last` logged builds (all when None)."""
+    log = store.build_log(last)
+    sizes = {e.key[len("blob:"):]: e.bytes for e in store.entries("blob:")}
+    records = dict(store.records())
+    kinds: dict[str, KindStats] = {}
+    unknown = 0
+    for build in log:
+        for row in build.get("stages", []):
+            k = kinds.setdefault(row.get("stage", "?"), KindStats())
+            status = _STATUS.get(row.get("status"))
+            if status is None:
+                continue
+            setattr(k, status, getattr(k, status) + 1)
+            if status == "misses":
+                continue
+            k.saved_seconds += row.get("saved_seconds") or 0.0
+            record = records.get(row.get("key"))
+            if record is None:
+                unknown += 1
+            else:
+                k.saved_bytes += sum(sizes.get(sha, 0) for sha in (record.get("outputs") or {}).values())
+    return Stats(store.usage(), len(log), kinds, unknown)

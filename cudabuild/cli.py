@@ -1,0 +1,174 @@
+"""The `cudabuild` command: say what a build would do and why, and look after the cache.
+
+    cudabuild explain model=tiny_lm target=cpu decode.max_autotune=ON
+    cudabuild cache stats --last 10
+    cudabuild cache verify
+    cudabuild cache gc --max-size 2G --max-age 30
+
+Building stays `doit export ...` (dodo.py). The project is $CUDABUILD_PROJECT or the current
+directory, the cache $CUDABUILD_CACHE_DIR (default ~/.cache/cudabuild). A user error is one line
+on stderr, `cudabuild: error: ...`, exit status 2; CUDABUILD_VERBOSE=1 adds the traceback. This
+module parses argv and prints; the work is in explain.py and cache_admin.py. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from .errors import CudabuildError, one_line
+
+# (command, one line): what `cudabuild --help` lists.
+COMMANDS = (
+    ("explain", "for each stage of a build: up to date, restorable from cache, or why it will run; builds nothing"),
+    ("cache stats", "entries and bytes in the cache; hits, restores, misses and time saved over the last builds"),
+    ("cache verify", "re-hash every blob; drop corrupt ones and the records that named them"),
+    ("cache gc", "evict least-recently-used entries that build/ does not reference, down to --max-size"),
+)
+
+
+class UsageError(CudabuildError):
+    """A command line that does not parse."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and exits; cudabuild errors are one line
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _parser() -> _Parser:
+    listing = "\n".join(f"  {name:<14}{line}" for name, line in COMMANDS)
+    parser = _Parser(
+        prog="cudabuild", usage="cudabuild COMMAND [ARGS]", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"commands:\n{listing}\n\nBuild with `doit export model=NAME ...`; `cudabuild COMMAND --help` for details.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
+
+    explain = commands.add_parser(
+        "explain", prog="cudabuild explain", description=COMMANDS[0][1] + ".",
+        usage="cudabuild explain model=NAME [target=auto|cpu|cuda] [OPTION=V] [SPEC=V] [METHOD.SPEC=V]",
+    )
+    explain.add_argument("settings", nargs="*", metavar="NAME=VALUE", help="as for doit export")
+
+    cache = commands.add_parser("cache", prog="cudabuild cache", usage="cudabuild cache {stats,verify,gc} ...",
+                                description="cache stats | verify | gc")
+    cache_commands = cache.add_subparsers(dest="cache_command", metavar="{stats,verify,gc}")
+    stats = cache_commands.add_parser("stats", prog="cudabuild cache stats", description=COMMANDS[1][1] + ".")
+    stats.add_argument("--last", type=_count, metavar="N", help="only the last N builds (default: all logged)")
+    cache_commands.add_parser("verify", prog="cudabuild cache verify",
+                              description=COMMANDS[2][1] + ". Exit status 1 when something was dropped.")
+    gc = cache_commands.add_parser(
+        "gc", prog="cudabuild cache gc", description=COMMANDS[3][1] + " and/or --max-age. Blobs named by a stamp "
+        "under build/*/*/.stamps/ and those stamps' records are never evicted.",
+    )
+    gc.add_argument("--max-size", metavar="SIZE", help="500M, 2G (powers of 1000), 1.5GiB (of 1024), or bytes; "
+                    "default $CUDABUILD_CACHE_MAX_SIZE")
+    gc.add_argument("--max-age", type=_days, metavar="DAYS", help="also evict entries not used for DAYS days")
+    return parser
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number of builds, got '{text}'")
+    return int(text)
+
+
+def _days(text: str) -> float:
+    try:
+        days = float(text)
+    except ValueError:
+        days = -1.0
+    if days < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of days, got '{text}'")
+    return days
+
+
+def _settings(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise UsageError(f"explain takes NAME=VALUE settings as doit export does (model=tiny_lm target=cpu), got '{pair}'")
+        out[name] = value
+    return out
+
+
+def _project() -> Path:
+    return Path(os.environ.get("CUDABUILD_PROJECT") or os.getcwd()).resolve()
+
+
+def cmd_explain(args) -> int:
+    from .config import load_config
+    from .explain import forecast
+    from .runner import Runner
+    from .store import Store
+
+    store = Store()
+    try:
+        config = load_config(_project(), _settings(args.settings), store)
+        if config.target_note:
+            print(config.target_note, file=sys.stderr)
+        lines = forecast(Runner(config, store, run_id="explain"))
+    finally:
+        store.close()
+    width = max(len(f.stage) for f in lines)
+    print(f"{config.model} / {config.target}")
+    for f in lines:
+        print("  " + f.line(width))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from . import cache_admin
+    from .store import MAX_SIZE_ENV, Store
+
+    if args.cache_command is None:
+        raise UsageError("cache needs a command: stats, verify or gc (see cudabuild cache --help)")
+    if args.cache_command == "gc":
+        raw = args.max_size or os.environ.get(MAX_SIZE_ENV, "").strip() or None
+        max_bytes = cache_admin.parse_size(raw, "--max-size" if args.max_size else MAX_SIZE_ENV) if raw else None
+        if max_bytes is None and args.max_age is None:
+            raise UsageError(f"cache gc needs --max-size SIZE or --max-age DAYS (or {MAX_SIZE_ENV} set)")
+    store = Store()
+    try:
+        if args.cache_command == "stats":
+            lines = cache_admin.stats(store, args.last).lines(store.root)
+            status = 0
+        elif args.cache_command == "verify":
+            report = cache_admin.verify(store, _project())
+            lines, status = report.lines(), 0 if report.clean else 1
+        else:
+            lines, status = cache_admin.gc(store, _project(), max_bytes, args.max_age).lines(), 0
+    finally:
+        store.close()
+    print("\n".join(lines))
+    return status
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if not argv:
+            names = ", ".join(name for name, _ in COMMANDS)
+            raise UsageError(f"no command given; commands: {names} (see cudabuild --help)")
+        args = _parser().parse_args(argv)
+        return cmd_explain(args) if args.command == "explain" else cmd_cache(args)
+    except SystemExit as e:  # --help, which argparse ends with exit(0)
+        return e.code if isinstance(e.code, int) else 0
+    except CudabuildError as e:
+        print(f"cudabuild: error: {one_line(e)}", file=sys.stderr)
+        if os.environ.get("CUDABUILD_VERBOSE"):
+            traceback.print_exc()
+        return 2
+    except KeyboardInterrupt:
+        print("cudabuild: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in cudabuild, not in the user's input
+        print(f"cudabuild: internal error: {one_line(e)} (CUDABUILD_VERBOSE=1 shows the traceback)", file=sys.stderr)
+        if os.environ.get("CUDABUILD_VERBOSE"):
+            traceback.print_exc()
+        return 1

@@ -1,0 +1,476 @@
+"""The shared remote tier: one Redis behind every builder's local store.
+
+    CUDABUILD_REMOTE=redis://HOST:PORT/DB            # read-through, write-back, build-once leases
+    CUDABUILD_REMOTE_KEY=SECRET                      # sign records (HMAC-SHA256); reject unsigned ones
+    CUDABUILD_REMOTE_MODE=read-only                  # untrusted builders (pull-request CI): never write
+    CUDABUILD_REMOTE_LEASE_SECONDS=60                # a dead builder's lease lapses after this
+    CUDABUILD_REMOTE_WAIT_SECONDS=3600               # the longest a builder waits on another's lease
+
+This module owns the Redis side: its key layout, chunked blob transfer checked against the sha256
+on arrival, signed action records, per-key build leases with a heartbeat, and degrading to the
+local cache alone when Redis is unreachable (one warning per build, then no more network calls).
+It never touches the local store or build/: store.py decides what to copy where, runner.py when
+to lease. `redis` is imported on the first call that talks to the server, not before.
+
+Keys (all under `cudabuild:`):
+- `chunk:<sha>:<i>`  the i-th piece of a blob's bytes (at most `chunk_bytes` each);
+- `blob:<sha>`       JSON {"size", "chunks", "chunk_bytes"}, written after every chunk: a reader that
+                     finds it finds a whole blob, unless Redis evicted a chunk since, which is a miss;
+- `rec:<key>`        JSON {"key", "record", "sig"}, written after every blob the record names;
+- `lease:<key>`      the token of the builder building that key, with an expiry its heartbeat renews.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import BinaryIO, Callable, Iterable, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import InvalidRemote, one_line
+from .hashing import canonical_json
+
+REMOTE_ENV = "CUDABUILD_REMOTE"
+KEY_ENV = "CUDABUILD_REMOTE_KEY"
+MODE_ENV = "CUDABUILD_REMOTE_MODE"
+LEASE_ENV = "CUDABUILD_REMOTE_LEASE_SECONDS"
+WAIT_ENV = "CUDABUILD_REMOTE_WAIT_SECONDS"
+MODES = ("read-write", "read-only")
+SCHEMES = ("redis", "rediss", "unix")
+
+PREFIX = "cudabuild:"
+CHUNK_BYTES = 4 << 20
+BATCH_CHUNKS = 8  # chunks per round trip: 32 MiB in flight at most
+SOCKET_TIMEOUT = 2.0
+CONNECT_TIMEOUT = 1.0
+POLL_SECONDS = 0.5
+
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+# Compare-and-act on a lease, so a builder whose lease lapsed and was taken over never renews or
+# deletes the new holder's.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"cudabuild: warning: {message}", file=sys.stderr, flush=True)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _seconds(environ, name: str, default: float, problems: list[str]) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        problems.append(f"{name}={raw} is not a positive number of seconds")
+        return default
+    return value
+
+
+def from_env(environ=os.environ, warn: Callable[[str], None] = _warn_stderr) -> Optional["RedisTier"]:
+    """The tier $CUDABUILD_REMOTE names, or None when it is unset. Talks to no server."""
+    url = environ.get(REMOTE_ENV, "").strip()
+    if not url:
+        return None
+    problems = []
+    if urlsplit(url).scheme not in SCHEMES:
+        problems.append(f"{REMOTE_ENV}={redact(url)} is not a Redis URL; expected redis://HOST:PORT/DB")
+    mode = environ.get(MODE_ENV, "").strip() or "read-write"
+    if mode not in MODES:
+        problems.append(f"{MODE_ENV}={mode}: expected read-write or read-only")
+    lease = _seconds(environ, LEASE_ENV, 60.0, problems)
+    wait = _seconds(environ, WAIT_ENV, 3600.0, problems)
+    if problems:
+        raise InvalidRemote("; ".join(problems))
+    secret = environ.get(KEY_ENV) or None
+    return RedisTier(url, secret=secret.encode() if secret else None, read_only=mode == "read-only",
+                     lease_seconds=lease, wait_seconds=wait, warn=warn)
+
+
+def inductor_environment(environ=os.environ) -> dict[str, str]:
+    """Variables that point inductor's own remote autotune cache at the shared Redis.
+
+    Empty unless $CUDABUILD_REMOTE is a redis:// URL and the mode lets this builder write (inductor
+    cannot be made read-only). Inductor reads TORCHINDUCTOR_REDIS_URL first (it keeps the DB
+    number), else HOST and PORT; torch.compile's config reads TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE
+    at import, so the compile stage also patches `autotune_remote_cache` while it compiles.
+    """
+    url = environ.get(REMOTE_ENV, "").strip()
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or (environ.get(MODE_ENV, "").strip() == "read-only"):
+        return {}
+    return {
+        "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE": "1",
+        "TORCHINDUCTOR_REDIS_URL": url,
+        "TORCHINDUCTOR_REDIS_HOST": parts.hostname or "localhost",
+        "TORCHINDUCTOR_REDIS_PORT": str(parts.port or 6379),
+    }
+
+
+def well_formed(record) -> bool:
+    """A record's shape: output names are plain file names (they become paths in build/), shas are hex."""
+    if not isinstance(record, dict) or not isinstance(record.get("outputs"), dict):
+        return False
+    outputs = record["outputs"]
+    for name, sha in outputs.items():
+        if not (isinstance(sha, str) and _SHA.match(sha)) or not _plain_name(name):
+            return False
+    finals = record.get("finals", [])
+    return isinstance(finals, list) and all(name in outputs for name in finals) and "digest" in record
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+class _Unreachable:
+    """What a call returns when the server could not be asked (distinct from any reply)."""
+
+
+UNREACHABLE = _Unreachable()
+
+
+class NoLease:
+    """Stands for a lease where none can be taken (read-only mode, Redis down): builds go ahead."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Lease:
+    """A held build lease: renewed by a heartbeat thread while the block runs, released after."""
+
+    def __init__(self, tier: "RedisTier", key: str, token: str):
+        self.tier, self.key, self.token = tier, key, token
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.key[:8]}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=SOCKET_TIMEOUT * 2 + 1)
+        self.release()
+        return False
+
+    def _heartbeat(self) -> None:
+        tier = self.tier
+        millis = int(tier.lease_seconds * 1000)
+        while not self._stop.wait(tier.lease_seconds / 3):
+            kept = tier._call("lease renewal", lambda r: r.eval(_RENEW, 1, tier._lease_key(self.key), self.token, millis))
+            if kept is UNREACHABLE:
+                return
+            if not kept:
+                tier._warn_once(f"lease:{self.key}", f"the build lease on {self.key[:12]} lapsed; another builder may build it too")
+                return
+
+    def release(self) -> None:
+        self.tier._call("lease release", lambda r: r.eval(_RELEASE, 1, self.tier._lease_key(self.key), self.token))
+
+
+class RedisTier:
+    def __init__(self, url: str, *, secret: Optional[bytes] = None, read_only: bool = False,
+                 lease_seconds: float = 60.0, wait_seconds: float = 3600.0, chunk_bytes: int = CHUNK_BYTES,
+                 warn: Callable[[str], None] = _warn_stderr):
+        self.url = url
+        self.where = redact(url)
+        self.secret = secret
+        self.read_only = read_only
+        self.lease_seconds = lease_seconds
+        self.wait_seconds = wait_seconds
+        self.chunk_bytes = chunk_bytes
+        self.warn = warn
+        self.stats = {"records_in": 0, "records_out": 0, "blobs_in": 0, "blobs_out": 0, "bytes_in": 0, "bytes_out": 0}
+        self._client = None
+        self._state = threading.Lock()
+        self._down = False
+        self._writes_off = False
+        self._warned: set[str] = set()
+        self._bad: set[str] = set()  # blobs this process found corrupt or incomplete remotely
+
+    # -- connection and degrading -------------------------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        return not (self.read_only or self._down or self._writes_off)
+
+    def _redis(self):
+        if self._client is None:
+            import redis
+            from redis.backoff import ConstantBackoff
+            from redis.retry import Retry
+
+            # One quick retry, short timeouts: a dead Redis costs a build seconds, once.
+            self._client = redis.Redis.from_url(
+                self.url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
+                retry=Retry(ConstantBackoff(0.1), 1),
+            )
+        return self._client
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        with self._state:
+            if topic in self._warned:
+                return
+            self._warned.add(topic)
+        self.warn(message)
+
+    def _call(self, what: str, fn, *, write: bool = False):
+        """fn(client), or UNREACHABLE when the tier is down (or not writable, for a write)."""
+        if self._down or (write and not self.writable):
+            return UNREACHABLE
+        import redis
+
+        try:
+            return fn(self._redis())
+        except redis.exceptions.ResponseError as e:  # e.g. OOM under maxmemory-policy noeviction
+            if write:
+                self._writes_off = True
+                self._warn_once("writes", f"remote cache {self.where} refused a write ({what}: {one_line(e)}); "
+                                          "this build writes nothing more to it")
+            else:
+                self._warn_once("reads", f"remote cache {self.where} refused a read ({what}: {one_line(e)})")
+            return UNREACHABLE
+        except (redis.exceptions.RedisError, OSError) as e:
+            self._down = True
+            self._warn_once("down", f"remote cache {self.where} unreachable ({what}: {one_line(e)}); "
+                                    "continuing with the local cache only")
+            return UNREACHABLE
+
+    # -- keys -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _blob_key(sha: str) -> str:
+        return f"{PREFIX}blob:{sha}"
+
+    @staticmethod
+    def _chunk_key(sha: str, index: int) -> str:
+        return f"{PREFIX}chunk:{sha}:{index}"
+
+    @staticmethod
+    def _rec_key(key: str) -> str:
+        return f"{PREFIX}rec:{key}"
+
+    @staticmethod
+    def _lease_key(key: str) -> str:
+        return f"{PREFIX}lease:{key}"
+
+    # -- blobs --------------------------------------------------------------------------------------
+
+    def has_blobs(self, shas: Iterable[str]) -> bool:
+        """Whether the tier holds every one of these blobs (by their manifests: one round trip)."""
+        shas = list(dict.fromkeys(shas))
+        if any(sha in self._bad for sha in shas):
+            return False
+        if not shas:
+            return True
+
+        def check(r):
+            pipe = r.pipeline(transaction=False)
+            for sha in shas:
+                pipe.exists(self._blob_key(sha))
+            return all(pipe.execute())
+
+        found = self._call("blob lookup", check)
+        return found is not UNREACHABLE and bool(found)
+
+    def put_blob(self, sha: str, source: BinaryIO) -> bool:
+        """Upload a blob's bytes from `source`: every chunk, then the manifest. True when the tier holds it."""
+        if not self.writable:
+            return False
+        if self.has_blobs([sha]):
+            return True
+
+        def upload(r):
+            h, size, index = hashlib.sha256(), 0, 0
+            pipe = r.pipeline(transaction=False)
+            while chunk := source.read(self.chunk_bytes):
+                h.update(chunk)
+                pipe.set(self._chunk_key(sha, index), chunk)
+                size, index = size + len(chunk), index + 1
+                if index % BATCH_CHUNKS == 0:
+                    pipe.execute()
+            pipe.execute()
+            if h.hexdigest() != sha:  # the local copy changed under us: publish nothing
+                return None
+            r.set(self._blob_key(sha), json.dumps({"size": size, "chunks": index, "chunk_bytes": self.chunk_bytes}))
+            return size
+
+        size = self._call(f"upload of blob {sha[:12]}", upload, write=True)
+        if size is UNREACHABLE or size is None:
+            return False
+        self._bad.discard(sha)
+        self.stats["blobs_out"] += 1
+        self.stats["bytes_out"] += size
+        return True
+
+    def get_blob_to_file(self, sha: str, dest: os.PathLike | str) -> bool:
+        """Download a blob into `dest`; True only when every chunk arrived and the bytes hash to `sha`.
+
+        A blob with a missing chunk (evicted) is a miss; one whose bytes do not match is reported,
+        deleted from the tier when this builder may write, and not offered again in this process.
+        """
+        if sha in self._bad:
+            return False
+
+        def download(r):
+            raw = r.get(self._blob_key(sha))
+            if raw is None:
+                return "missing", 0
+            try:
+                meta = json.loads(raw)
+                size, chunks = int(meta["size"]), int(meta["chunks"])
+            except (ValueError, KeyError, TypeError):
+                return "corrupt", 0
+            h, written = hashlib.sha256(), 0
+            with open(dest, "wb") as out:
+                for start in range(0, chunks, BATCH_CHUNKS):
+                    keys = [self._chunk_key(sha, i) for i in range(start, min(chunks, start + BATCH_CHUNKS))]
+                    for part in r.mget(keys):
+                        if part is None:
+                            return "incomplete", chunks
+                        h.update(part)
+                        out.write(part)
+                        written += len(part)
+            return ("ok" if written == size and h.hexdigest() == sha else "corrupt"), chunks
+
+        outcome = self._call(f"download of blob {sha[:12]}", download)
+        if outcome is UNREACHABLE:
+            return False
+        state, chunks = outcome
+        if state == "ok":
+            self.stats["blobs_in"] += 1
+            self.stats["bytes_in"] += os.path.getsize(dest)
+            return True
+        if state in ("corrupt", "incomplete"):
+            self._bad.add(sha)
+            if state == "corrupt":
+                self.warn(f"remote blob {sha[:12]} failed its sha256 check on arrival; "
+                          f"{'deleted from' if self.writable else 'ignored in'} {self.where}, it will be rebuilt")
+            self._drop_blob(sha, chunks)
+        return False
+
+    def _drop_blob(self, sha: str, chunks: int) -> None:
+        if self.writable:
+            keys = [self._blob_key(sha)] + [self._chunk_key(sha, i) for i in range(chunks)]
+            self._call(f"delete of blob {sha[:12]}", lambda r: r.delete(*keys), write=True)
+
+    # -- records -------------------------------------------------------------------------------------
+
+    def _sign(self, key: str, record: dict) -> str:
+        return hmac.new(self.secret, canonical_json({"key": key, "record": record}).encode(), hashlib.sha256).hexdigest()
+
+    def get_record(self, key: str) -> Optional[dict]:
+        """The record for an action key, when it is well formed and (with a secret) correctly signed."""
+        raw = self._call("record lookup", lambda r: r.get(self._rec_key(key)))
+        if raw is UNREACHABLE or raw is None:
+            return None
+        try:
+            envelope = json.loads(raw)
+            record = envelope["record"]
+        except (ValueError, KeyError, TypeError):
+            self._warn_once("malformed", f"remote record for {key[:12]} in {self.where} is not valid JSON; ignored")
+            return None
+        if self.secret is not None:
+            sig = envelope.get("sig")
+            if not (isinstance(sig, str) and envelope.get("key") == key and hmac.compare_digest(sig, self._sign(key, record))):
+                self._warn_once("signature", f"remote record for {key[:12]} in {self.where} is "
+                                             f"{'unsigned' if sig is None else 'badly signed'}; ignored "
+                                             f"(its builder must sign with the same {KEY_ENV})")
+                return None
+        if not well_formed(record):
+            self._warn_once("malformed", f"remote record for {key[:12]} in {self.where} is malformed; ignored")
+            return None
+        self.stats["records_in"] += 1
+        return record
+
+    def put_record(self, key: str, record: dict) -> bool:
+        """Publish a record; call it only once every blob it names is in the tier."""
+        envelope = {"key": key, "record": record}
+        if self.secret is not None:
+            envelope["sig"] = self._sign(key, record)
+        done = self._call("record upload", lambda r: r.set(self._rec_key(key), json.dumps(envelope, sort_keys=True)), write=True)
+        if done is UNREACHABLE:
+            return False
+        self.stats["records_out"] += 1
+        return True
+
+    # -- build leases --------------------------------------------------------------------------------
+
+    def try_lease(self, key: str):
+        """Claim the build of `key` across the fleet.
+
+        Returns a Lease (use it as a context manager around the build), NoLease when this builder
+        cannot take leases (read-only, or Redis unreachable) but nobody else holds one, or None
+        when another builder holds it: then `wait_for_result` and restore.
+        """
+        lease_key = self._lease_key(key)
+        if not self.writable:
+            held = self._call("lease lookup", lambda r: r.exists(lease_key))
+            return None if held is not UNREACHABLE and held else NoLease()
+        token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        got = self._call("lease", lambda r: r.set(lease_key, token, nx=True, px=int(self.lease_seconds * 1000)), write=True)
+        if got is UNREACHABLE:
+            return NoLease()
+        return Lease(self, key, token) if got else None
+
+    def wait_for_result(self, key: str, deadline: float) -> None:
+        """Return once `key`'s record is published, its lease is gone (released, or lapsed with a
+        dead holder), Redis is unreachable, or `deadline` (time.monotonic) has passed."""
+        rec_key, lease_key = self._rec_key(key), self._lease_key(key)
+        while time.monotonic() < deadline:
+            state = self._call("lease wait", lambda r: r.pipeline(transaction=False).exists(rec_key).exists(lease_key).execute())
+            if state is UNREACHABLE or state[0] or not state[1]:
+                return
+            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+    # -- inspection ----------------------------------------------------------------------------------
+
+    def server_info(self) -> Optional[dict]:
+        """A few of the server's own numbers (memory, policy, evictions, keys), or None when down."""
+        def info(r):
+            data = r.info()
+            return {name: data.get(name) for name in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys",
+                                                      "keyspace_hits", "keyspace_misses",
+                                                      "total_net_input_bytes", "total_net_output_bytes")} | {"keys": r.dbsize()}
+
+        found = self._call("info", info)
+        return None if found is UNREACHABLE else found
+
+
+def push_store(store, tier: Optional[RedisTier] = None) -> int:
+    """Copy every complete record of a local store, with its blobs, to the tier (e.g. to seed a new
+    Redis from a machine that already built). Returns how many records were published."""
+    tier = tier or store.remote
+    published = 0
+    for key, record in store.records():
+        if store.push(key, record, tier):
+            published += 1
+    return published

@@ -1,0 +1,161 @@
+"""cudabuild.cache_admin and Store.enforce_limit: sizes, stats over real logged builds, gc that keeps
+what build/ references, and verify that finds a damaged blob (see _fixtures_cli for the builds)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from _fixtures_cli import BUILD, scripted_builds, tiny_lm_build
+from cudabuild import cache_admin
+from cudabuild.errors import InvalidOption
+from cudabuild.store import Store
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("text, size", [
+    ("123456", 123456), ("500M", 500 * 10**6), ("2G", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
+    ("10k", 10_000), ("1 MiB", MiB), ("3mb", 3 * 10**6), ("64B", 64), ("2Ti", 2 * 2**40),
+])
+def test_parse_size_accepts_suffixes(text, size):
+    assert cache_admin.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["5X", "", "-1", "G", "1.2.3M", "M5"])
+def test_parse_size_rejects_with_one_actionable_line(text):
+    with pytest.raises(InvalidOption, match=r"^--max-size '.*' is not a size; use bytes or a number with K, M, G, T"):
+        cache_admin.parse_size(text, "--max-size")
+
+
+def test_format_bytes():
+    assert [cache_admin.format_bytes(n) for n in (512, 1536, 5 * MiB, 3 * 2**30)] == ["512 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
+
+
+def stats_rows(text: str) -> dict[str, tuple[int, int, int]]:
+    """{stage kind: (hits, restores, misses)} from `cudabuild cache stats`."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+%", line)
+        if m:
+            rows[m[1]] = tuple(int(x) for x in m.group(2, 3, 4))
+    return rows
+
+
+@pytest.mark.slow
+def test_stats_count_what_the_scripted_builds_did(tmp_path_factory):
+    # Builds: full (10 ran), no-op (10 cached), decode spec change (compile.decode, package,
+    # verify.decode ran; 7 cached), rm -rf build + rebuild (10 restored).
+    scripted = scripted_builds(tmp_path_factory)
+    out = scripted.cudabuild("cache", "stats", "--last", "4").stdout
+    rows = stats_rows(out)
+    assert rows["probe"] == (2, 1, 1)
+    assert rows["compile"] == (3, 2, 3)
+    assert rows["package"] == (1, 1, 2)
+    assert rows["all"] == (17, 10, 13)
+    saved_seconds, saved_mib = re.search(r"without running them: ([\d.]+)s of run time and ([\d.]+) MiB", out).groups()
+    assert float(saved_seconds) > 1 and float(saved_mib) > 1
+    assert re.match(r"cache .*: \d+ blobs [\d.]+ MiB, \d+ records", out)
+    assert stats_rows(scripted.cudabuild("cache", "stats", "--last", "1").stdout)["all"] == (0, 10, 0)
+
+
+def plant(store: Store, count: int, size: int) -> list[str]:
+    """Unpinned blobs, least recently used first (access times a little apart)."""
+    shas = []
+    for _ in range(count):
+        shas.append(store.put_bytes(os.urandom(size)))
+        time.sleep(0.01)
+    return shas
+
+
+@pytest.mark.slow
+def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_factory, tmp_path):
+    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
+    pins = cache_admin.pins(clone.project)
+    store = Store(clone.cache)
+    try:
+        assert all(pins.holds(e.key) for e in store.entries("blob:")), "a single build pins every blob"
+        oldest, middle, newest = plant(store, 3, MiB)
+        store.read_bytes(oldest)  # used again: now the most recently used
+        store.put_record("planted", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
+        limit = store.size() - MiB - MiB // 2
+        report = cache_admin.gc(store, clone.project, max_bytes=limit)
+        assert (report.evicted_blobs, store.has_blob(middle), store.has_blob(newest), store.has_blob(oldest)) == (2, False, False, True)
+        assert report.dangling_records == 1 and store.peek_record("planted") is None
+        assert store.size() <= limit
+        assert all(store.has_blob(sha) for sha in pins.blobs) and all(store.peek_record(k) for k in pins.keys)
+    finally:
+        store.close()
+    # Far below what build/ references: only unpinned entries go, and the build stays a no-op.
+    out = clone.cudabuild("cache", "gc", "--max-size", "1").stdout
+    assert "evicted 1 blob and 0 records" in out and "note: what build/ references alone is over the limit" in out
+    assert set(clone.explain().values()) == {"up to date"}
+    summary = clone.doit("export", *BUILD).stdout
+    assert "ran 0, restored 0, cached 10" in summary
+
+
+@pytest.mark.slow
+def test_gc_max_age_and_enforce_limit_spare_pinned_entries(tmp_path_factory, tmp_path, monkeypatch):
+    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
+    pins = cache_admin.pins(clone.project)
+    store = Store(clone.cache)
+    try:
+        (planted,) = plant(store, 1, 1000)
+        assert cache_admin.gc(store, clone.project, max_age_days=1).evicted_blobs == 0  # used just now
+        assert cache_admin.gc(store, clone.project, max_age_days=0).evicted_blobs == 1
+        assert not store.has_blob(planted)
+
+        pinned_bytes = store.size()
+        plant(store, 3, MiB)
+        monkeypatch.delenv("CUDABUILD_CACHE_MAX_SIZE", raising=False)
+        assert store.enforce_limit(clone.project) is None and store.size() > pinned_bytes + 3 * MiB - 1
+        monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", str(pinned_bytes + 2 * MiB))
+        report = store.enforce_limit(clone.project)
+        assert report.evicted_blobs == 1 and store.size() <= pinned_bytes + 2 * MiB
+        assert store.enforce_limit(clone.project) is None  # under the limit now: nothing to do
+        monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "0")
+        store.enforce_limit(clone.project)
+        assert store.size() == pinned_bytes and all(store.has_blob(sha) for sha in pins.blobs)
+        monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "lots")
+        with pytest.raises(InvalidOption, match="^CUDABUILD_CACHE_MAX_SIZE 'lots' is not a size"):
+            store.enforce_limit(clone.project)
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_verify_drops_a_corrupt_blob_and_the_records_that_named_it(tmp_path_factory, tmp_path):
+    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
+    edge = clone.stamp("edge.decode")
+    corrupt = edge["outputs"]["graph.json"]
+    gone = clone.stamp("compile.prefill")["outputs"]["compile.json"]
+    store = Store(clone.cache)
+    try:
+        path = store.blob_path(corrupt)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        store.blob_path(gone).unlink()
+    finally:
+        store.close()
+
+    done = clone.cudabuild("cache", "verify", check=False)
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert re.match(r"re-hashed \d+ blobs \([\d.]+ MiB\): \d+ intact, 2 dropped", lines[0])
+    assert f"{corrupt[:12]} (edge.decode graph.json)" in lines[0] and f"{gone[:12]} (compile.prefill compile.json)" in lines[0]
+    assert lines[1].startswith("dropped 2 records that named a missing blob: ")
+    assert "edge.decode" in lines[1] and "compile.prefill" in lines[1]
+    assert lines[2].startswith("stamps under build/ naming a blob this cache lacks: tiny_lm/cpu/compile.prefill, tiny_lm/cpu/edge.decode ")
+
+    store = Store(clone.cache)
+    try:
+        assert not store.has_blob(corrupt) and not store.has_blob(gone)
+        assert store.peek_record(edge["key"]) is None
+    finally:
+        store.close()
+    again = clone.cudabuild("cache", "verify")
+    assert again.returncode == 0 and "0 dropped" in again.stdout

@@ -1,0 +1,68 @@
+"""The `cudabuild` command line: help lists every command on one line, both entry points run, and
+every user error is one line `cudabuild: error: ...` with exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _fixtures_cli import REPO
+from cudabuild.cli import COMMANDS, main
+
+
+def run(args: list[str], tmp_path: Path, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
+           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path)}
+    return subprocess.run((program or [sys.executable, "-m", "cudabuild"]) + args, env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_each_command_on_one_line(tmp_path):
+    done = run(["--help"], tmp_path)
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    for name, words in COMMANDS:
+        assert sum(1 for line in lines if line.split(words)[0].strip() == name) == 1, (name, done.stdout)
+    assert "doit export" in done.stdout
+
+
+def test_console_script_runs_the_same_main(tmp_path):
+    script = Path(sys.executable).parent / "cudabuild"
+    assert script.exists(), "pip install -e . declares the cudabuild console script"
+    done = run(["cache", "stats"], tmp_path, program=[str(script)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "no builds logged yet"
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "no command given; commands: explain, cache stats, cache verify, cache gc"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["cache"], "cache needs a command: stats, verify or gc"),
+    (["cache", "gc"], "cache gc needs --max-size SIZE or --max-age DAYS"),
+    (["cache", "gc", "--max-size", "5X"], "--max-size '5X' is not a size"),
+    (["cache", "gc", "--max-age", "soon"], "expected a number of days, got 'soon'"),
+    (["cache", "stats", "--last", "x"], "expected a whole number of builds, got 'x'"),
+    (["explain", "model=nope"], "unknown model 'nope'; known models: "),
+    (["explain", "model=tiny_lm", "max_autotune=MAYBE"], "invalid value max_autotune=MAYBE"),
+    (["explain", "tiny_lm"], "explain takes NAME=VALUE settings as doit export does"),
+])
+def test_errors_are_one_line_with_status_2(args, message, tmp_path):
+    done = run(args, tmp_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("cudabuild: error: "), done.stderr
+    assert message in done.stderr
+
+
+def test_main_returns_the_status_in_process(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDABUILD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CUDABUILD_PROJECT", raising=False)
+    monkeypatch.chdir(tmp_path)  # a project with no build/
+    assert main(["cache", "verify"]) == 0
+    assert capsys.readouterr().out.strip() == "re-hashed 0 blobs (0 B): 0 intact, 0 dropped"
+    assert main(["cache", "gc", "--max-size", "1G"]) == 0
+    assert main(["cache", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("cudabuild: error: argument {stats,verify,gc}: invalid choice: 'nope'")
