@@ -1,0 +1,45 @@
+"""tiny_lm through target cuda on a real GPU, low_memory_mode OFF and ON, with verify passing.
+
+Run on the GPU machine: `python -m pytest tests/gpu -q` (skipped where torch sees no CUDA device).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_ok
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def cuda_build(tmp_path_factory):
+    from conftest import new_project
+
+    project = new_project(tmp_path_factory.mktemp("cuda"))
+    assert_ok(project.export("model=tiny_lm", "target=cuda"))
+    return project
+
+
+def test_tiny_lm_cuda_builds_and_verifies(cuda_build):
+    manifest = cuda_build.manifest("tiny_lm", "cuda")
+    assert set(manifest["outputs"]) == {"model.pte", "aoti_cuda_blob.ptd"}
+    assert manifest["verify"] and all(v["passed"] for v in manifest["verify"].values())
+    pte = (cuda_build.root / "build/tiny_lm/cuda/model.pte").read_bytes()
+    assert b"CudaBackend" in pte and b"_so_blob" in pte
+    assert manifest["toolchain"]["cuda"]["capability"][0] >= 7
+
+
+def test_low_memory_mode_builds_verifies_and_lowers_peak_memory(cuda_build):
+    assert_ok(cuda_build.export("model=tiny_lm", "target=cuda", "low_memory_mode=ON"))
+    statuses = cuda_build.statuses("tiny_lm", "cuda")
+    assert statuses["compile.decode"] == statuses["compile.prefill"] == "ran"
+    manifest = cuda_build.manifest("tiny_lm", "cuda")
+    assert all(v["passed"] for v in manifest["verify"].values())
+
+
+def test_noop_after_cuda_build_runs_nothing(cuda_build):
+    assert_ok(cuda_build.export("model=tiny_lm", "target=cuda"))
+    assert set(cuda_build.statuses("tiny_lm", "cuda").values()) <= {"cached", "restored"}
