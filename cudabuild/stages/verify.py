@@ -71,9 +71,37 @@ def run(ctx) -> StageResult:
     path.write_text(json.dumps(report, indent=1))
     if not report["passed"]:
         worst = max(report["outputs"], key=lambda o: o["max_abs_diff"] / max(o["allowed"], 1e-30), default={})
+        where = _locate_fault(ctx, method, inputs, expected, worst.get("index") or 0)
+        report["fault"] = where
+        _keep_failed_report(ctx, method, report)
         raise VerifyFailed(
             f"method {method}: compiled output {worst.get('index')} differs from eager by {worst.get('max_abs_diff'):.3g} "
-            f"(allowed {worst.get('allowed'):.3g})"
+            f"(allowed {worst.get('allowed'):.3g}); {where}"
         )
     summary = {"max_abs_diff": max((o["max_abs_diff"] for o in report["outputs"]), default=0.0), "passed": True}
     return StageResult({"verify.json": path}, value=summary)
+
+
+def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int) -> str:
+    """On a mismatch, run the stored edge program eagerly too: says whether the outputs were
+    already wrong before AOTInductor (lowering or serialization) or went wrong in the compile."""
+    import torch
+
+    try:
+        edge = load_program(lambda name: ctx.blob("edge", method, name))
+        with torch.no_grad():
+            got = edge.module()(*inputs)
+        got = list(got) if isinstance(got, (list, tuple)) else [got]
+        diff = (got[index].float().cpu() - expected[index].float()).abs().max().item()
+    except Exception as e:  # a diagnostic only: never hide the verify failure behind it
+        return f"the edge program could not be run eagerly to locate the fault ({type(e).__name__})"
+    if diff <= 1e-4 * max(1.0, expected[index].abs().max().item()):
+        return f"the edge program matches eager (|diff| {diff:.3g}): the fault is in the compile"
+    return f"the edge program already differs by {diff:.3g}: the fault is before the compile (edge lowering or its serialization)"
+
+
+def _keep_failed_report(ctx, method: str, report: dict) -> None:
+    """A failed verify caches nothing, so leave its numbers where a person can read them."""
+    path = ctx.config.build_dir / f"verify-{method}.failed.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
