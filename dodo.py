@@ -3,6 +3,11 @@
     doit export model=qwen_moe                 # the whole pipeline, target=auto
     doit export model=tiny_lm target=cpu max_autotune=ON decode.low_memory_mode=ON
     doit list --all                             # every stage of the selected build
+    doit -n 4 nightly models=tiny_lm,qwen_moe targets=cpu,cuda   # many builds, build/nightly.json
 """
 
-from cudabuild.doit_tasks import DOIT_CONFIG, task_export  # noqa: F401
+from cudabuild.doit_tasks import DOIT_CONFIG, task_export, task_nightly  # noqa: F401
+from cudabuild.doit_tasks import recover_doit_db
+
+# doit opens .doit.db right after importing this file, before it creates any task: check it first.
+recover_doit_db()

@@ -221,7 +221,7 @@ def verify(store: Store, project: Path) -> VerifyReport:
 
 # -- stats ---------------------------------------------------------------------------------------
 
-_STATUS = {"cached": "hits", "restored": "restores", "ran": "misses"}
+_STATUS = {"cached": "hits", "restored": "restores", "remote": "restores", "ran": "misses"}  # remote: the shared tier
 
 
 @dataclass

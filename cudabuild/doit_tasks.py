@@ -6,10 +6,16 @@ its action brings the stage up to date (cached / restored / ran). doit's own dat
 remembers what the store already knows: deleting `.doit.db` loses nothing. A last sub-task,
 `export:manifest`, always runs: it writes build/<model>/<target>/manifest.json and prints the
 summary. Bad input stops the load with one line and exit status 2, before anything runs.
+
+`nightly` builds many (model, target) pairs at once with the same sub-tasks, named
+`nightly:<model>/<target>:<stage>`, plus `nightly:report` (see cudabuild.nightly).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dbm
+import json
 import os
 import sys
 import time
@@ -18,15 +24,18 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
+from . import nightly
 from .config import load_config
-from .errors import CudabuildError, one_line
+from .errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, one_line
 from .graph import dependencies, plan
+from .registry import list_models
 from .reporter import CudabuildReporter, print_summary
 from .runner import Runner
 from .store import Store
 
 RUN_ID = uuid.uuid4().hex
 STARTED = time.monotonic()
+STARTED_AT = time.time()
 
 
 def cli_vars() -> dict[str, str]:
@@ -44,6 +53,39 @@ def fail_fast(error: CudabuildError) -> None:
     if os.environ.get("CUDABUILD_VERBOSE"):
         raise error
     sys.exit(2)
+
+
+def recover_doit_db(argv: list[str] | None = None) -> None:
+    """Remove doit's database when it cannot be read, so the build goes on from the stamps and the store.
+
+    doit opens `.doit.db` right after importing dodo.py and stopped with a traceback when it was
+    damaged (garbage bytes, a write cut short by a kill, two builds of one project writing it at
+    once). It only remembers what the stamps and the store already know, so losing it costs nothing.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    options = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--db-file", "--backend"):
+            options[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    path = options.get("--db-file") or ".doit.db"
+    if options.get("--backend", "dbm") != "dbm":
+        return
+    files = [f for f in [path] + [path + s for s in (".dat", ".dir", ".bak", ".db", ".pag")] if os.path.exists(f)]
+    if not files:
+        return
+    try:
+        with dbm.open(path, "r") as db:
+            for key in db.keys():
+                json.loads(db[key])  # doit keeps one JSON document per task
+        return
+    except Exception as e:  # whatever stops this read stops doit's too
+        reason = one_line(e)
+    for f in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+    print(f"cudabuild: warning: doit's database {path} was unreadable ({reason}); removed it, "
+          "the stamps and the cache still know every build", file=sys.stderr)
 
 
 def make_runner(cli: dict[str, str]) -> Runner:
@@ -65,16 +107,17 @@ def _stage_action(runner: Runner, stage):
     return action
 
 
-def export_tasks(runner: Runner, group: str = "export"):
+def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
+    """The sub-tasks of one build, named `<group>:<prefix><stage>` (prefix: to hold several builds)."""
     config = runner.config
     stages = plan(config)
     for stage in stages:
         yield {
-            "name": stage.id,
+            "name": prefix + stage.id,
             "doc": f"{stage.kind} {stage.method or ''}".strip(),
             "actions": [_stage_action(runner, stage)],
             "uptodate": [lambda stage=stage: runner.is_up_to_date(stage)],
-            "task_dep": [f"{group}:{d.id}" for d in dependencies(stage, config)],
+            "task_dep": [f"{group}:{prefix}{d.id}" for d in dependencies(stage, config)],
             "verbosity": 2,
         }
 
@@ -90,22 +133,106 @@ def export_tasks(runner: Runner, group: str = "export"):
         return True
 
     yield {
-        "name": "manifest",
+        "name": prefix + "manifest",
         "doc": "write manifest.json and the summary",
         "actions": [manifest],
         "uptodate": [False],
-        "task_dep": [f"{group}:{s.id}" for s in stages],
+        "task_dep": [f"{group}:{prefix}{s.id}" for s in stages],
         "verbosity": 2,
     }
 
 
+def requested(task: str, argv: list[str] | None = None) -> bool:
+    """Whether the doit command line names `task` or one of its sub-tasks.
+
+    doit calls every task creator in dodo.py whatever is selected; `nightly` loads every recipe's
+    configuration, so it does that only when asked for (and `export` steps aside for it).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    return any(a == task or a.startswith(task + ":") for a in argv if not a.startswith("-") and "=" not in a)
+
+
 def task_export():
     """Build a model: doit export model=NAME [target=auto|cpu|cuda] [OPTION=V] [SPEC=V] [METHOD.SPEC=V]"""
+    if requested("nightly") and not requested("export"):
+        return
     try:
         runner = make_runner(cli_vars())
     except CudabuildError as e:
         fail_fast(e)
     yield from export_tasks(runner)
+
+
+def task_nightly():
+    """Build every recipe for the targets, in parallel: doit -n 4 nightly [models=A,B] [targets=cpu,cuda]
+
+    Each (model, target) gets export's stage sub-tasks as `nightly:<model>/<target>:<stage>`, so
+    `doit -n N` spreads them over N worker processes; a build that fails is reported and skipped
+    without stopping the others (no --continue needed). `nightly:report` then writes
+    build/nightly.json (per build: status, times, cache statistics) and exits non-zero if any
+    build failed. targets defaults to auto; other NAME=VALUE settings apply to every build.
+    """
+    if not requested("nightly"):
+        return
+    cli = cli_vars()
+    project = project_root()
+    models = [m for m in cli.pop("models", "").split(",") if m] or list_models(project)
+    targets = [t for t in cli.pop("targets", "").split(",") if t] or ["auto"]
+    store = Store()
+    journal = nightly.Journal(project, RUN_ID)
+    builds: dict[str, tuple[Runner | None, str | None]] = {}  # "model/target" -> (runner, load error)
+    notes = set()
+    for model in models:
+        for target in targets:
+            try:
+                config = load_config(project, dict(cli, model=model, target=target), store)
+            except (UnknownModel, UnknownTarget, InvalidOption) as e:  # a typo on the command line
+                fail_fast(e)
+            except CudabuildError as e:  # a broken recipe: that build fails, the others go on
+                builds[f"{model}/{target}"] = (None, one_line(e))
+                continue
+            if config.target_note and config.target_note not in notes:
+                notes.add(config.target_note)
+                print(config.target_note, file=sys.stderr)
+            builds.setdefault(f"{config.model}/{config.target}", (Runner(config, store, RUN_ID), None))
+
+    for build, (runner, _) in builds.items():
+        if runner is None:
+            continue
+        stages = {s.id: s for s in plan(runner.config)}
+        for task in export_tasks(runner, "nightly", prefix=build + ":"):
+            step = task["name"].rpartition(":")[2]
+            stage = stages.get(step)
+            status = (lambda stage=stage, runner=runner: runner.statuses.get(stage.id, "cached")) if stage else (lambda: "ok")
+            task["actions"] = [nightly.contained(journal, build, step, task["actions"][0], status)]
+            yield task
+
+    def report():
+        summaries = []
+        for build, (runner, load_error) in builds.items():
+            manifest = None
+            if runner is not None and (runner.config.build_dir / "manifest.json").is_file():
+                manifest = json.loads((runner.config.build_dir / "manifest.json").read_text())
+            summaries.append(nightly.summarise(build, journal.entries(build), manifest, load_error))
+        remote = store.remote.server_info() if store.remote is not None else None
+        data = nightly.report(summaries, STARTED_AT, remote)
+        nightly.write_json(project / "build" / "nightly.json", data)
+        journal.clear()
+        nightly.print_report(data)
+        failed = [b for b in summaries if b["status"] != "ok"]
+        if failed:
+            names = ", ".join(f"{b['model']}/{b['target']}" for b in failed)
+            return TaskFailed(f"{len(failed)} of {len(summaries)} nightly builds failed ({names}); see build/nightly.json")
+        return True
+
+    yield {
+        "name": "report",
+        "doc": "write build/nightly.json and the summary",
+        "actions": [report],
+        "uptodate": [False],
+        "task_dep": [f"nightly:{build}:manifest" for build, (runner, _) in builds.items() if runner is not None],
+        "verbosity": 2,
+    }
 
 
 DOIT_CONFIG = {

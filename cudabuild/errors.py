@@ -54,6 +54,10 @@ class MissingBlob(CudabuildError):
     pass
 
 
+class CacheUnwritable(CudabuildError):
+    """The cache could not be opened or written (a full disk, a read-only mount)."""
+
+
 class InvalidRemote(CudabuildError):
     """$CUDABUILD_REMOTE or one of its companion variables does not parse."""
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from .errors import CompileFailed
+
 # The fallbacks ExecuTorch 1.4.1's CUDA runtime provides.
 CUDA_SUPPORTED = frozenset({
     "at::_ops::_weight_int4pack_mm::call",
@@ -52,3 +54,13 @@ def collect_fallbacks() -> Iterator[set]:
 
 def unsupported_on_cuda(kernels: set[str]) -> list[str]:
     return sorted(k for k in kernels if k not in CUDA_SUPPORTED)
+
+
+def check_cuda_fallbacks(method: str, kernels: set[str]) -> None:
+    """Raise CompileFailed naming every fallback of a cuda compile that the runtime lacks."""
+    missing = unsupported_on_cuda(kernels)
+    if missing:
+        raise CompileFailed(
+            f"method {method} needs {len(missing)} fallback kernel(s) the ExecuTorch CUDA runtime lacks: "
+            f"{', '.join(missing)}; rewrite those ops or enable triton_kernel_mode"
+        )

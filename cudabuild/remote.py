@@ -113,8 +113,8 @@ def inductor_environment(environ=os.environ) -> dict[str, str]:
 
     Empty unless $CUDABUILD_REMOTE is a redis:// URL and the mode lets this builder write (inductor
     cannot be made read-only). Inductor reads TORCHINDUCTOR_REDIS_URL first (it keeps the DB
-    number), else HOST and PORT; torch.compile's config reads TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE
-    at import, so the compile stage also patches `autotune_remote_cache` while it compiles.
+    number), else HOST and PORT. torch/_inductor/config.py reads TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE
+    once, at import, so the compile stage also patches `autotune_remote_cache` while it compiles.
     """
     url = environ.get(REMOTE_ENV, "").strip()
     parts = urlsplit(url)
@@ -159,6 +159,9 @@ class NoLease:
 
     def __exit__(self, *exc):
         return False
+
+    def release(self) -> None:
+        pass
 
 
 class Lease:
@@ -443,13 +446,14 @@ class RedisTier:
 
     def wait_for_result(self, key: str, deadline: float) -> None:
         """Return once `key`'s record is published, its lease is gone (released, or lapsed with a
-        dead holder), Redis is unreachable, or `deadline` (time.monotonic) has passed."""
+        dead holder), Redis is unreachable, or `deadline` (time.monotonic) has passed. Polls twice
+        a second, and sleeps once before the first look, so a caller's retry loop never spins."""
         rec_key, lease_key = self._rec_key(key), self._lease_key(key)
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(POLL_SECONDS, left))
             state = self._call("lease wait", lambda r: r.pipeline(transaction=False).exists(rec_key).exists(lease_key).execute())
             if state is UNREACHABLE or state[0] or not state[1]:
                 return
-            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
     # -- inspection ----------------------------------------------------------------------------------
 

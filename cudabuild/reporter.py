@@ -1,6 +1,6 @@
 """What `doit export` prints: a line when a stage starts, elapsed time while a long one runs, one
-line per failure, and a one-screen summary at the end (per stage ran/cached/restored and seconds,
-total time, time saved by the cache).
+line per failure, and a one-screen summary at the end (per stage ran/cached/restored/remote and
+seconds, total time, time saved by the cache).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class CudabuildReporter(ConsoleReporter):
 
     def execute_task(self, task):
         label = _label(task.name)
-        if label == "manifest" or not task.actions:
+        if label.rpartition(":")[2] == "manifest" or not task.actions:
             return
         self._started[task.name] = time.monotonic()
         self.write(f"> {label.replace('.', ' ')}\n")
@@ -90,14 +90,16 @@ class CudabuildReporter(ConsoleReporter):
 def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None) -> None:
     out = out or sys.stdout
     rows = manifest["stages"]
-    counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "cached")}
+    counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "remote", "cached")}
     saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in rows if r["status"] != "ran")
     out.write(f"\n{manifest['model']} / {manifest['target']}\n")
     out.write(f"  {'stage':<10}{'method':<12}{'status':<10}{'seconds':>9}\n")
     for r in rows:
         out.write(f"  {r['stage']:<10}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>9.1f}\n")
     out.write(
-        f"  ran {counts['ran']}, restored {counts['restored']}, cached {counts['cached']}; "
+        f"  ran {counts['ran']}, restored {counts['restored']}, "
+        + (f"from remote {counts['remote']}, " if counts["remote"] else "")
+        + f"cached {counts['cached']}; "
         f"{elapsed:.1f}s total, {saved:.1f}s saved by the cache\n"
     )
     try:

@@ -9,8 +9,11 @@ For a stage with action key K (the digest of its inputs, see graph.py):
 3. `ran`: the stage function runs in a fresh work directory; its outputs go into the store, then
    the record, then the stamp. An output that was needed but turns out corrupt or missing makes
    its producer run again, never served.
+   `remote`: like restored, but the record or a final output came from the shared tier
+   ($CUDABUILD_REMOTE, see remote.py); a stage that ran is written back to that tier.
 Execution of one key is serialised across processes with an flock, so two builds sharing a cache
-never compile the same key at the same time; the second one restores what the first stored.
+never compile the same key at the same time; the second one restores what the first stored. With
+a shared tier, a lease there does the same across machines (see `_claim`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -138,44 +142,78 @@ class Runner:
     # -- execution -----------------------------------------------------------------------------
 
     def execute(self, stage: Stage) -> str:
-        """Bring one stage up to date; returns ran, cached or restored."""
+        """Bring one stage up to date; returns ran, cached, restored or remote."""
         inputs = self.inputs(stage)
         key = digest(inputs)
         old = self.read_stamp(stage)
         if old and old.get("key") == key and self.finals_intact(old):
             return self._note(stage, "cached")
-        if self._restore(stage, key, inputs):
-            return self._note(stage, "restored")
+        if status := self._restore(stage, key, inputs):
+            return self._note(stage, status)
         with self._key_lock(key):
-            # Another process may have built this key while we waited for the lock.
-            if self._restore(stage, key, inputs):
-                return self._note(stage, "restored")
+            # Another process may have built this key while we waited for the lock, and another
+            # machine may be building it now.
+            status, lease = self._claim(stage, key, inputs)
+            if status:
+                return self._note(stage, status)
             why = explain_reason(old.get("inputs") if old else None, inputs)
-            self._run(stage, key, inputs, why)
+            with lease:
+                self._run(stage, key, inputs, why)
         return self._note(stage, "ran")
+
+    def _claim(self, stage: Stage, key: str, inputs: dict):
+        """(status, None) when the key can be restored now, else (None, a lease to build under).
+
+        Without a shared tier the lease is a no-op. With one, it is the key's build lease there
+        (build-once across machines): while another builder holds it, wait until its record
+        appears or the lease goes (released, or lapsed because the holder died), then restore or
+        take the lease over. After $CUDABUILD_REMOTE_WAIT_SECONDS of waiting, build anyway.
+        """
+        remote = self.store.remote
+        deadline = time.monotonic() + (remote.wait_seconds if remote is not None else 0.0)
+        for polls in itertools.count():
+            lease = remote.try_lease(key) if remote is not None else None
+            # Restore after claiming: the holder may have published and let go since our last look.
+            if status := self._restore(stage, key, inputs):
+                if lease is not None:
+                    lease.release()
+                return status, None
+            if lease is not None or remote is None:
+                return None, lease or contextlib.nullcontext()
+            if time.monotonic() >= deadline:
+                self.log(f"{stage.id}: gave up waiting for another builder of {key[:12]}; building it here")
+                return None, contextlib.nullcontext()
+            if not polls:
+                self.log(f"{stage.id}: another builder is building {key[:12]}; waiting for its result")
+            remote.wait_for_result(key, deadline)
 
     def _note(self, stage: Stage, status: str) -> str:
         self.statuses[stage.id] = status
         return status
 
-    def _restore(self, stage: Stage, key: str, inputs: dict) -> bool:
-        record = self.store.get_record(key)
+    def _restore(self, stage: Stage, key: str, inputs: dict) -> Optional[str]:
+        """restored (from this cache), remote (the record or a final output came from the shared
+        tier), or None when the key cannot be restored."""
+        record, source = self.store.find_record(key)
         if record is None:
-            return False
+            return None
         finals = record.get("finals", [])
+        if not all(self.store.has_blob(record["outputs"][name]) for name in finals):
+            source = "remote"
         try:
             for name in finals:
                 self.store.fetch(record["outputs"][name], self.config.build_dir / name)
         except (CorruptBlob, MissingBlob) as e:
             self.log(f"warning: {e}")
             self.store.drop_record(key)
-            return False
+            return None
+        status = "remote" if source == "remote" else "restored"
         self._write_stamp(stage, {
             "key": key, "inputs": inputs, "digest": record["digest"], "outputs": record["outputs"],
-            "finals": finals, "value": record.get("value"), "status": "restored", "seconds": 0.0,
+            "finals": finals, "value": record.get("value"), "status": status, "seconds": 0.0,
             "saved_seconds": record.get("seconds", 0.0), "run": self.run_id, "reason": None,
         })
-        return True
+        return status
 
     def _run(self, stage: Stage, key: str, inputs: dict, why: str) -> None:
         module = importlib.import_module(STAGE_MODULES[stage.kind])
@@ -196,6 +234,7 @@ class Runner:
             "key": key, "inputs": inputs, "digest": stage_digest, "outputs": outputs, "finals": finals,
             "value": result.value, "status": "ran", "seconds": seconds, "run": self.run_id, "reason": why,
         })
+        self.store.push(key, record)  # write-back to the shared tier, if any: blobs, then the record
         self.store.enforce_limit(self.config.project)
 
     @contextlib.contextmanager
@@ -255,12 +294,17 @@ class Runner:
         for stage in graph.plan(self.config):
             stamp = self.read_stamp(stage) or {}
             this_run = stamp.get("run") == self.run_id
-            status = stamp.get("status") if this_run else "cached"
+            # What this process did, not what the stamp says now: another build of the same project
+            # may have rewritten the stamp since (its restore of what we ran), which made a stage
+            # this build compiled read as "cached" and the other's "restored": no "ran" at all.
+            # Under `doit -n` stages run in worker processes: their statuses reach us only through
+            # the stamps they wrote with this run's id.
+            status = self.statuses.get(stage.id) or (stamp.get("status") if this_run else None) or "cached"
             entry = {"stage": stage.kind, "method": stage.method, "key": stamp.get("key"), "status": status,
                      "seconds": stamp.get("seconds", 0.0) if this_run else 0.0}
             if this_run and stamp.get("reason"):
                 entry["reason"] = stamp["reason"]
-            if status in ("restored", "cached"):
+            if status in ("restored", "remote", "cached"):
                 entry["saved_seconds"] = stamp.get("saved_seconds", stamp.get("seconds", 0.0))
             stages.append(entry)
             for name in stamp.get("finals", []):

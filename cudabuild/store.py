@@ -10,6 +10,10 @@ Layout inside one diskcache.Cache at `$CUDABUILD_CACHE_DIR` (default `~/.cache/c
 Every blob is re-hashed on its way out; one that does not match is deleted and reported as
 `CorruptBlob`, so callers rebuild it instead of serving it. A record is only trusted when all the
 blobs it names are present. This module imports neither torch nor executorch.
+
+With $CUDABUILD_REMOTE set, a shared tier (cudabuild.remote) sits behind this one: a record or
+blob missing here is looked up there and copied in (checked against its sha256 on arrival), and
+`push` writes a new record back, its blobs first. Without it, cudabuild.remote is never imported.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +32,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import diskcache
 
-from .errors import CorruptBlob, MissingBlob
+from .errors import CacheUnwritable, CorruptBlob, MissingBlob
 from .hashing import CHUNK, FileHasher, sha256_file
 
 # diskcache culls past size_limit on every write; cudabuild evicts by its own rules (gc keeps what
@@ -38,51 +44,99 @@ def default_root() -> Path:
     return Path(os.environ.get("CUDABUILD_CACHE_DIR") or Path.home() / ".cache" / "cudabuild")
 
 
+def remote_from_env():
+    """The shared tier $CUDABUILD_REMOTE names, or None; connects to nothing until first used."""
+    if not os.environ.get("CUDABUILD_REMOTE", "").strip():
+        return None
+    from .remote import from_env  # only builds that name a remote tier import it (and, later, redis)
+
+    return from_env()
+
+
 class Store:
     def __init__(self, root: os.PathLike | str | None = None):
         self.root = Path(root) if root is not None else default_root()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.cache = diskcache.Cache(
-            str(self.root / "store"),
-            size_limit=_NEVER_CULL,
-            eviction_policy="least-recently-used",
-            timeout=60,
-        )
+        try:
+            self.cache = diskcache.Cache(
+                str(self.root / "store"),
+                size_limit=_NEVER_CULL,
+                eviction_policy="least-recently-used",
+                timeout=60,
+            )
+        except (OSError, sqlite3.Error) as e:  # SQLite writes on open: a full disk fails here
+            raise CacheUnwritable(_unwritable(self.root, "opening it", e)) from e
         self.hasher = FileHasher(self.cache)
-        # A second tier (issue: shared Redis cache) plugs in here; None means local only.
-        self.remote = None
+        # The shared tier behind this one (cudabuild.remote.RedisTier); None means local only.
+        self.remote = remote_from_env()
 
     # -- blobs ---------------------------------------------------------------------------------
 
     def has_blob(self, sha: str) -> bool:
-        return ("blob:" + sha) in self.cache
+        # The row alone is not enough: diskcache keeps the bytes in a file of their own, and with
+        # the file gone (deleted by hand, a partial restore of the cache dir) and the row kept,
+        # put_file skipped the write, so a producer run again to replace the blob could never
+        # make it readable and the build failed on every retry.
+        rows = self.cache._sql("SELECT filename FROM Cache WHERE key = ? AND raw = 1", ("blob:" + sha,)).fetchall()
+        return bool(rows) and (rows[0][0] is None or os.path.exists(os.path.join(self.cache.directory, rows[0][0])))
+
+    def _set(self, key: str, value, what: str, read: bool = False) -> None:
+        """diskcache's set, with a failed write reported as one line that names the cache.
+
+        A write cut short (a full disk, a read-only mount) leaves no entry behind: diskcache writes
+        the file before the row and SQLite rolls the row back, so the store stays consistent and a
+        later build with room stores the entry again.
+        """
+        try:
+            self.cache.set(key, value, read=read)
+        except (OSError, sqlite3.Error) as e:
+            raise CacheUnwritable(_unwritable(self.root, f"storing {what}", e)) from e
 
     def put_file(self, path: os.PathLike | str, sha: Optional[str] = None) -> str:
         """Store a file's bytes under their sha256 (once: an existing blob is not rewritten)."""
         sha = sha or sha256_file(path)
         if not self.has_blob(sha):
             with open(path, "rb") as f:
-                self.cache.set("blob:" + sha, f, read=True)
+                self._set("blob:" + sha, f, Path(path).name, read=True)
         return sha
 
     def put_bytes(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
         if not self.has_blob(sha):
-            self.cache.set("blob:" + sha, io.BytesIO(data), read=True)
+            self._set("blob:" + sha, io.BytesIO(data), f"blob {sha[:12]}", read=True)
         return sha
 
     @contextlib.contextmanager
     def _open_blob(self, sha: str) -> Iterator[io.BufferedReader]:
         handle = self.cache.get("blob:" + sha, read=True)
         if handle is None:
+            # diskcache also says None for a row whose file is gone: drop the row with it, or it
+            # stays behind as an entry that can never be read.
+            self.drop_blob(sha)
             raise MissingBlob(f"blob {sha[:12]} is not in the cache at {self.root}")
         try:
             yield handle
         finally:
             handle.close()
 
+    def _ensure_local(self, sha: str) -> None:
+        """Copy a blob missing here from the remote tier, when there is one and it holds the blob."""
+        if self.remote is None or self.has_blob(sha):
+            return
+        incoming = self.root / "incoming"
+        incoming.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=incoming, prefix=sha[:16] + ".")
+        os.close(fd)
+        try:
+            if self.remote.get_blob_to_file(sha, tmp):  # verified against sha on arrival
+                with open(tmp, "rb") as f:
+                    self._set("blob:" + sha, f, f"blob {sha[:12]} from {self.remote.where}", read=True)
+        finally:
+            os.unlink(tmp)
+
     def fetch(self, sha: str, dest: os.PathLike | str) -> Path:
         """Copy a blob to `dest` atomically, verifying its hash; a corrupt blob is dropped."""
+        self._ensure_local(sha)
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix="." + dest.name + ".")
@@ -102,6 +156,7 @@ class Store:
         return dest
 
     def read_bytes(self, sha: str) -> bytes:
+        self._ensure_local(sha)
         with self._open_blob(sha) as src:
             data = src.read()
         if hashlib.sha256(data).hexdigest() != sha:
@@ -136,24 +191,54 @@ class Store:
 
     def get_record(self, key: str) -> Optional[dict]:
         """The record for an action key, only if every blob it names is present."""
+        return self.find_record(key)[0]
+
+    def find_record(self, key: str) -> tuple[Optional[dict], str]:
+        """(record, "local" or "remote"): like get_record, and says which tier had the record.
+
+        A blob named by the record may be in either tier (fetch copies it in when it is needed); a
+        record found remotely is copied into this store.
+        """
         raw = self.cache.get("rec:" + key)
-        if raw is None:
-            return None
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            self.drop_record(key)
-            return None
-        if not all(self.has_blob(sha) for sha in record.get("outputs", {}).values()):
-            return None
-        return record
+        record, source = None, "local"
+        if raw is not None:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                self.drop_record(key)
+        if record is None and self.remote is not None:
+            record, source = self.remote.get_record(key), "remote"
+        if record is None:
+            return None, source
+        missing = [sha for sha in record.get("outputs", {}).values() if not self.has_blob(sha)]
+        if missing and (self.remote is None or not self.remote.has_blobs(missing)):
+            return None, source
+        if source == "remote":
+            self.put_record(key, record)
+        return record, source
 
     def put_record(self, key: str, record: dict) -> None:
         record = dict(record, created=record.get("created") or time.time())
-        self.cache.set("rec:" + key, json.dumps(record, sort_keys=True))
+        self._set("rec:" + key, json.dumps(record, sort_keys=True), f"the record of {record.get('stage', key[:12])}")
 
     def drop_record(self, key: str) -> None:
         self.cache.delete("rec:" + key)
+
+    def push(self, key: str, record: dict, tier=None) -> bool:
+        """Write a record back to the remote tier (`tier`, default self.remote): every blob it names
+        first, then the record, so no reader there sees a record whose blobs are incomplete. False
+        when there is no writable tier, a blob is missing here, or an upload did not complete."""
+        tier = tier or self.remote
+        if tier is None or not tier.writable:
+            return False
+        for sha in sorted(set(record.get("outputs", {}).values())):
+            try:
+                with self._open_blob(sha) as handle:
+                    if not tier.put_blob(sha, handle):
+                        return False
+            except MissingBlob:
+                return False
+        return tier.put_record(key, record)
 
     # -- small JSON documents (recipe descriptions, logs) ---------------------------------------
 
@@ -162,7 +247,7 @@ class Store:
         return json.loads(raw) if raw is not None else None
 
     def put_json(self, name: str, value: dict) -> None:
-        self.cache.set("doc:" + name, json.dumps(value, sort_keys=True))
+        self._set("doc:" + name, json.dumps(value, sort_keys=True), f"the {name.partition(':')[0]} document")
 
     # -- build log (what `cudabuild cache stats` summarises) ------------------------------------
 
@@ -170,7 +255,7 @@ class Store:
         """Append one finished build's manifest (stages, statuses, seconds) to the log."""
         entry = {k: manifest[k] for k in ("model", "target", "stages", "outputs") if k in manifest}
         entry["time"] = time.time()
-        self.cache.set(f"log:{entry['time']:017.6f}:{os.getpid()}", json.dumps(entry, sort_keys=True))
+        self._set(f"log:{entry['time']:017.6f}:{os.getpid()}", json.dumps(entry, sort_keys=True), "the build log")
 
     def build_log(self, last: Optional[int] = None) -> list[dict]:
         """Logged builds, oldest first; the last `last` only when given."""
@@ -270,6 +355,15 @@ class Store:
 
 
 MAX_SIZE_ENV = "CUDABUILD_CACHE_MAX_SIZE"
+
+
+def _unwritable(root: Path, doing: str, error: BaseException) -> str:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(root).free < 1 << 20:  # SQLite says "disk I/O error" when it cannot grow
+            reason = f"its disk is full ({reason})"
+    return (f"cannot write to the cache at {root} while {doing}: {reason}; free space there "
+            f"(cudabuild cache gc --max-size SIZE) or set CUDABUILD_CACHE_DIR to a disk with room")
 
 
 class Entry(NamedTuple):

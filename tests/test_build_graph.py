@@ -163,6 +163,7 @@ def _one_line_error(result) -> str:
         (["model=tiny_lm", "target=tpu"], "unknown target 'tpu'"),
         (["model=tiny_lm", "target=cpu", "max_autotune=maybe"], "invalid value max_autotune=MAYBE"),
         (["model=tiny_lm", "target=cpu", "decode.nonsense=ON"], "unknown setting 'decode.nonsense'"),
+        (["model=tiny_lm", "target=cpu", "prefil.max_autotune=ON"], "spec override 'prefil.max_autotune' names unknown method 'prefil'"),
         (["model=tiny_lm", "target=cpu", "triton_kernel_mode=ON"], "triton_kernel_mode=ON needs target=cuda"),
         (["model=tiny_lm", "target=cpu", "seed=abc"], "option seed=abc is not an integer"),
     ],
@@ -186,6 +187,8 @@ def test_recipe_that_fails_to_export_names_the_method_and_caches_nothing(project
     result = project.export("model=broken_lm", "target=cpu")
     line = _one_line_error(result)
     assert "method decode of broken_lm failed to export" in line
+    # ... and the first line of torch.export's own error, which says what to fix.
+    assert "failed to export: GuardOnDataDependentSymNode: Could not guard on data-dependent expression" in line
     assert recorded_stages(project) <= {"probe"}  # the toolchain probe is valid; nothing of the model
 
 

@@ -2,10 +2,10 @@
 
 Everything process-global the compile touches is scoped to it and undone afterwards, also on
 error: the environment (the inductor cache dir, line-info switches, and on cuda the probed
-TRITON_PTXAS_PATH / TORCH_CUDA_ARCH_LIST plan), the fallback-kernel collector, the SDPA backend
-choice, and with low_memory_mode=ON the KV-freeing device move and the CPU-clone patches
-(cudabuild.lowmem). Device memory the method held is released before returning, so the next
-method starts from an empty device.
+TRITON_PTXAS_PATH / TORCH_CUDA_ARCH_LIST plan; with a shared Redis, inductor's remote autotune
+cache), the fallback-kernel collector, the SDPA backend choice, and with low_memory_mode=ON the
+KV-freeing device move and the CPU-clone patches (cudabuild.lowmem). Device memory the method
+held is released before returning, so the next method starts from an empty device.
 
 Reproducibility: each compile runs in a private inductor dir whose absolute path is a function of
 the action key (`$CUDABUILD_INDUCTOR_DIR/<key>`), emptied first. Inductor embeds that path in the
@@ -18,6 +18,7 @@ the same tuning key) and harvested afterwards (cudabuild.tuning).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -26,9 +27,10 @@ from pathlib import Path
 from ..aoti_options import aoti_options, with_custom_shims
 from ..cuda_env import scoped_environ
 from ..errors import CompileFailed, one_line
-from ..fallbacks import collect_fallbacks, unsupported_on_cuda
+from ..fallbacks import check_cuda_fallbacks, collect_fallbacks
 from ..hashing import digest, sha256_file
 from ..programs import load_program
+from ..remote import inductor_environment
 from ..runner import StageResult
 from ..toolchain import inductor_root
 from .. import tuning
@@ -45,6 +47,9 @@ def compile_environment(target: str, toolchain: dict, cache_dir: Path) -> dict[s
     }
     if target == "cuda":
         env.update((toolchain.get("cuda") or {}).get("env") or {})
+    # With a read-write CUDABUILD_REMOTE=redis://..., inductor's own autotune cache shares kernel
+    # tuning through the same Redis (these variables are outside the toolchain fingerprint).
+    env.update(inductor_environment())
     return env
 
 
@@ -53,7 +58,24 @@ def user_input_values(ep) -> tuple:
     return tuple(n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder" and n.name in names)
 
 
+@contextlib.contextmanager
+def _inductor_dir_lock(cache_dir: Path):
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir.parent / (cache_dir.name + ".lock"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes, or the process dies
+        yield
+
+
 def run(ctx) -> StageResult:
+    # The inductor dir is named by the key alone, so every cache on this machine shares it, while
+    # the runner's key lock is per cache: two builds with different CUDABUILD_CACHE_DIRs compiling
+    # one key emptied each other's dir mid-compile (a failed C++ compile, a missing lock file).
+    # A machine-wide lock per dir makes them take turns.
+    with _inductor_dir_lock(inductor_dir_for(ctx.key)):
+        return _compile(ctx)
+
+
+def _compile(ctx) -> StageResult:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -75,7 +97,13 @@ def run(ctx) -> StageResult:
         # before CUDA is initialised, hence the allocation first.
         torch.zeros(1, device="cuda")
         torch.cuda.reset_peak_memory_stats(0)
-    with scoped_environ(compile_environment(target, toolchain, cache_dir)), contextlib.ExitStack() as scope:
+    environment = compile_environment(target, toolchain, cache_dir)
+    with scoped_environ(environment), contextlib.ExitStack() as scope:
+        if environment.get("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE") == "1":
+            # inductor's config read this variable when torch was imported: set it for this compile.
+            from torch._inductor import config as inductor_config
+
+            scope.enter_context(inductor_config.patch(autotune_remote_cache=True))
         ep = lowmem.move_program_to_device(ep, device, low_memory=low_memory)
         try:
             if target == "cuda":
@@ -93,12 +121,8 @@ def run(ctx) -> StageResult:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
             except Exception as e:
                 raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
-            missing = unsupported_on_cuda(fallbacks) if target == "cuda" else []
-            if missing:
-                raise CompileFailed(
-                    f"method {method} needs {len(missing)} fallback kernel(s) the ExecuTorch CUDA runtime lacks: "
-                    f"{', '.join(missing)}; rewrite those ops or enable triton_kernel_mode"
-                )
+            if target == "cuda":
+                check_cuda_fallbacks(method, fallbacks)
             used = sorted(fallbacks)
         finally:
             lowmem.release_device_tensors(ep)

@@ -1,0 +1,123 @@
+"""The CUDA target on a GPU machine, every case side by side in one run (issue: CUDA target).
+
+    python bench/cuda_target.py [--model tiny_lm] [--budget 280] [--out DIR]
+
+Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
+  cold        empty cache, the recipe's specs
+  noop        the same again
+  replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
+              autotuning decisions are replayed, not re-benchmarked
+  lowmem      low_memory_mode=ON (peak GPU memory during compile vs cold's)
+  cold2       a second cold build in a fresh cache dir: are .pte/.ptd byte-identical to cold's?
+  stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache
+Cases are skipped once the time budget would be exceeded. Results are printed and written to
+OUT/cuda_target.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ESTIMATE = {"cold": 90, "noop": 5, "replay": 60, "lowmem": 70, "cold2": 90, "stock": 80}
+
+
+def sha(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny_lm")
+    parser.add_argument("--budget", type=float, default=280)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--cases", default="cold,noop,replay,lowmem,cold2,stock")
+    args = parser.parse_args()
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="cudabuild-cuda-bench-"))
+    results: dict = {"model": args.model, "cases": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out / "cuda_target.json").write_text(json.dumps(results, indent=1))
+
+    def project(name: str) -> Path:
+        root = work / name
+        root.mkdir()
+        shutil.copy(ROOT / "dodo.py", root)
+        for folder in ("cudabuild", "recipes", "bench"):
+            shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        return root
+
+    def run(name: str, cwd: Path, cmd: list[str], cache: Path) -> dict:
+        env = dict(os.environ, CUDABUILD_CACHE_DIR=str(cache), CUDABUILD_PROJECT=str(cwd), PYTHONPATH=f"{cwd}:{os.environ.get('PYTHONPATH', '')}")
+        t0 = time.monotonic()
+        done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+        entry = {"seconds": round(time.monotonic() - t0, 2), "rc": done.returncode}
+        (out / f"{name}.log").write_text(done.stdout[-20000:] + "\n--- stderr ---\n" + done.stderr[-20000:])
+        manifest_path = cwd / "build" / args.model / "cuda" / "manifest.json"
+        if manifest_path.exists() and name != "stock":
+            manifest = json.loads(manifest_path.read_text())
+            entry["statuses"] = {f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]: s["status"] for s in manifest["stages"]}
+            entry["verify"] = manifest.get("verify")
+            entry["outputs"] = manifest.get("outputs")
+            stamps = cwd / "build" / args.model / "cuda" / ".stamps"
+            entry["compile"] = {p.stem: json.loads(p.read_text()).get("value") for p in stamps.glob("compile.*.json")}
+        results["cases"][name] = entry
+        save()
+        print(f"{name:<8}{entry['seconds']:8.1f}s rc={entry['rc']}", flush=True)
+        return entry
+
+    doit = [sys.executable, "-m", "doit", "export", f"model={args.model}", "target=cuda"]
+    main_project = project("main")
+    cache = work / "cache-main"
+    for case in args.cases.split(","):
+        if time.monotonic() - start + ESTIMATE[case] > args.budget:
+            results["cases"][case] = {"skipped": "time budget"}
+            print(f"{case:<8} skipped (budget)", flush=True)
+            continue
+        if case == "cold":
+            run(case, main_project, doit, cache)
+        elif case == "noop":
+            run(case, main_project, doit, cache)
+        elif case == "replay":
+            run(case, main_project, doit + ["emulate_precision_casts=OFF"], cache)
+        elif case == "lowmem":
+            run(case, main_project, doit + ["low_memory_mode=ON"], cache)
+        elif case == "cold2":
+            second = project("second")
+            run(case, second, doit, work / "cache-second")
+        elif case == "stock":
+            stock = project("stock")
+            run(case, stock, [sys.executable, "bench/baseline_lower.py", args.model, "cuda", str(work / "stock-out")], work / "cache-stock")
+
+    cases = results["cases"]
+    if "outputs" in cases.get("cold", {}) and "outputs" in cases.get("cold2", {}):
+        results["identical_bytes_fresh_builds"] = cases["cold"]["outputs"] == cases["cold2"]["outputs"]
+    stock_dir = work / "stock-out"
+    if stock_dir.exists():
+        results["stock_pte_sha"] = sha(stock_dir / "model.pte")
+    peak = lambda c: max((v or {}).get("peak_gpu_bytes", 0) for v in (cases.get(c, {}).get("compile") or {"x": {}}).values())
+    if "compile" in cases.get("cold", {}) and "compile" in cases.get("lowmem", {}):
+        results["peak_gpu_bytes"] = {"low_memory_OFF": peak("cold"), "low_memory_ON": peak("lowmem")}
+    if "seconds" in cases.get("stock", {}) and "seconds" in cases.get("cold", {}):
+        results["ratios"] = {
+            "cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"],
+            "stock/noop": cases["stock"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9),
+        }
+    save()
+    print(json.dumps({k: v for k, v in results.items() if k != "cases"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

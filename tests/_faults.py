@@ -1,0 +1,151 @@
+"""Fault injection for tests/test_hardening.py: builds started in the background and SIGKILLed at a
+chosen moment, stages made to run again, damaged blobs, and the checks a build must pass afterwards.
+
+Everything here acts on real processes and files: a stage is "forgotten" by deleting its stamp and
+its record (what gc eviction does), a kill is SIGKILL to the build's whole process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from conftest import Project
+
+from cudabuild.store import Store
+
+MODEL, TARGET = "tiny_lm", "cpu"
+BUILD_ARGS = (f"model={MODEL}", f"target={TARGET}")
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_dir(project: Project) -> Path:
+    return project.root / "build" / MODEL / TARGET
+
+
+def stamp(project: Project, stage_id: str) -> dict:
+    return json.loads((build_dir(project) / ".stamps" / f"{stage_id}.json").read_text())
+
+
+def forget(project: Project, *stage_ids: str, blobs: tuple[str, ...] = ()) -> None:
+    """Delete the stages' stamps and records (and the named output blobs), so the next build runs them."""
+    store = Store(project.cache)
+    try:
+        for stage_id in stage_ids:
+            old = stamp(project, stage_id)
+            store.drop_record(old["key"])
+            for name in blobs:
+                store.drop_blob(old["outputs"][name])
+            (build_dir(project) / ".stamps" / f"{stage_id}.json").unlink()
+    finally:
+        store.close()
+
+
+def blob_file(project: Project, blob_sha: str) -> Path:
+    store = Store(project.cache)
+    try:
+        return store.blob_path(blob_sha)
+    finally:
+        store.close()
+
+
+def blob_files(project: Project) -> set[Path]:
+    return set((project.cache / "store").rglob("*.val"))
+
+
+# -- builds in the background -------------------------------------------------------------------
+
+
+@dataclass
+class Background:
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = 600) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def start_export(project: Project, log: Path, *args: str, **env) -> Background:
+    """`doit export` in its own process group (so a kill reaches every process it started)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "doit", "export", *(args or BUILD_ARGS)], cwd=project.root,
+            env=project.env(**env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return Background(proc, log)
+
+
+def kill_when(build: Background, ready: Callable[[], bool], timeout: float = 300) -> bool:
+    """SIGKILL the build's process group as soon as `ready()`; False if the build ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if build.proc.poll() is not None:
+            return False
+        if ready():
+            os.killpg(build.proc.pid, signal.SIGKILL)
+            build.proc.wait()
+            return True
+        time.sleep(0.01)
+    os.killpg(build.proc.pid, signal.SIGKILL)
+    build.proc.wait()
+    raise AssertionError(f"the moment to kill never came in {timeout}s:\n{build.output()[-3000:]}")
+
+
+def stage_running_for(tmpdir: Path, stage_id: str, seconds: float) -> Callable[[], bool]:
+    """True once the stage's work directory (made when its function starts) is `seconds` old."""
+    seen: list[float] = []
+
+    def ready() -> bool:
+        if not seen and any(tmpdir.glob(f"cudabuild-{stage_id}-*")):
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] >= seconds
+
+    return ready
+
+
+def new_blob_file(project: Project) -> Callable[[], bool]:
+    """True once diskcache has created a blob file that was not there before."""
+    before = blob_files(project)
+    return lambda: bool(blob_files(project) - before)
+
+
+# -- what must hold afterwards ------------------------------------------------------------------
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The single `cudabuild: error:` line of a failed command (and no traceback anywhere)."""
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("cudabuild: error:")]
+    assert len(lines) == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+def assert_same_outputs(project: Project, clean: Project) -> None:
+    """The manifest names the clean build's outputs, and the files in build/ are those bytes."""
+    want = clean.manifest(MODEL, TARGET)["outputs"]
+    assert project.manifest(MODEL, TARGET)["outputs"] == want
+    assert {name: sha(build_dir(project) / name) for name in want} == want
+
+
+def assert_cache_verifies(project: Project) -> None:
+    """`cudabuild cache verify`: every blob re-hashed, none corrupt, no record naming a missing one."""
+    result = subprocess.run([sys.executable, "-m", "cudabuild", "cache", "verify"], cwd=project.root,
+                            env=project.env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and " 0 dropped" in result.stdout, result.stdout + result.stderr
+    assert "naming a blob this cache lacks" not in result.stdout, result.stdout
