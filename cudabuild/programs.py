@@ -15,7 +15,6 @@ exports of the same model give the same digest whatever file or line the code ca
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 from pathlib import Path

@@ -42,15 +42,11 @@ def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> li
 
 
 def run(ctx) -> StageResult:
-    import torch
-
     method, target = ctx.stage.method, ctx.config.target
     device = "cuda" if target == "cuda" else "cpu"
     ep = load_program(lambda name: ctx.blob("export", method, name))
     inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
-    with torch.no_grad():
-        expected = ep.module()(*inputs)
-    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    expected = eager_outputs(ep, inputs, device)
     so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
     blob = ctx.fetch("compile", method, "weights.blob", ctx.workdir / "weights.blob")
     actual = run_compiled(str(so), str(blob), inputs, device)
@@ -71,7 +67,7 @@ def run(ctx) -> StageResult:
     path.write_text(json.dumps(report, indent=1))
     if not report["passed"]:
         worst = max(report["outputs"], key=lambda o: o["max_abs_diff"] / max(o["allowed"], 1e-30), default={})
-        where = _locate_fault(ctx, method, inputs, expected, worst.get("index") or 0)
+        where = _locate_fault(ctx, method, inputs, expected, worst.get("index") or 0, device)
         report["fault"] = where
         _keep_failed_report(ctx, method, report)
         raise VerifyFailed(
@@ -82,17 +78,29 @@ def run(ctx) -> StageResult:
     return StageResult({"verify.json": path}, value=summary)
 
 
-def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int) -> str:
-    """On a mismatch, run the stored edge program eagerly too: says whether the outputs were
-    already wrong before AOTInductor (lowering or serialization) or went wrong in the compile."""
+def eager_outputs(ep, inputs: tuple, device: str) -> list:
+    """The program run eagerly, on the target's device: a big model's reference (and Triton ops in
+    an edge program) need the GPU. Outputs come back on the CPU, as a list."""
     import torch
 
+    if device != "cpu":
+        from torch.export.passes import move_to_device_pass
+
+        ep = move_to_device_pass(ep, device)
+        inputs = tuple(t.to(device) for t in inputs)
+    with torch.no_grad():
+        out = ep.module()(*inputs)
+    out = list(out) if isinstance(out, (list, tuple)) else [out]
+    return [t.detach().to("cpu") for t in out]
+
+
+def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, device: str) -> str:
+    """On a mismatch, run the stored edge program eagerly too: says whether the outputs were
+    already wrong before AOTInductor (lowering or serialization) or went wrong in the compile."""
     try:
         edge = load_program(lambda name: ctx.blob("edge", method, name))
-        with torch.no_grad():
-            got = edge.module()(*inputs)
-        got = list(got) if isinstance(got, (list, tuple)) else [got]
-        diff = (got[index].float().cpu() - expected[index].float()).abs().max().item()
+        got = eager_outputs(edge, inputs, device)
+        diff = (got[index].float() - expected[index].float()).abs().max().item()
     except Exception as e:  # a diagnostic only: never hide the verify failure behind it
         return f"the edge program could not be run eagerly to locate the fault ({type(e).__name__})"
     if diff <= 1e-4 * max(1.0, expected[index].abs().max().item()):
