@@ -1,6 +1,6 @@
 """The CUDA target on a GPU machine, every case side by side in one run (issue: CUDA target).
 
-    python bench/cuda_target.py [--model tiny_lm] [--budget 280] [--out DIR]
+    python bench/cuda_target.py [--model tiny_lm] [--set size=35b-a3b --set layers=4] [--budget 280] [--out DIR]
 
 Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
   cold        empty cache, the recipe's specs
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=280)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--cases", default="cold,noop,replay,lowmem,cold2,stock")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="recipe option or spec passed to every cudabuild build (e.g. size=35b-a3b)")
     args = parser.parse_args()
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="cudabuild-cuda-bench-"))
@@ -78,7 +80,7 @@ def main() -> None:
         print(f"{name:<8}{entry['seconds']:8.1f}s rc={entry['rc']}", flush=True)
         return entry
 
-    doit = [sys.executable, "-m", "doit", "export", f"model={args.model}", "target=cuda"]
+    doit = [sys.executable, "-m", "doit", "export", f"model={args.model}", "target=cuda", *args.set]
     main_project = project("main")
     cache = work / "cache-main"
     for case in args.cases.split(","):
