@@ -1,10 +1,11 @@
 """ExportedPrograms as stored artifacts, and their canonical graph hash.
 
-A program is stored as four files, so identical parts are stored once across methods and stages
-(decode and prefill share `weights.pt`, export and edge share it too):
-`program.json` (the graph, through ExecuTorch's serde, which also handles edge-dialect ops),
-`weights.pt` (state dict), `constants.pt` (lifted constants, non-persistent buffers such as the
-KV cache), `inputs.pt` (example inputs).
+A program is stored as separate files so that identical parts are stored once, across methods
+and across stages: `program.json` (the graph, through ExecuTorch's serde, which also handles
+edge-dialect ops), one `tensor.<fqn>` file per weight with `weights.json` indexing them (decode
+and prefill share every weight file; the edge program shares all but the few tensors its passes
+create), `constants.pt` (lifted constants and non-persistent buffers such as the KV cache) and
+`inputs.pt` (example inputs).
 
 `graph_digest` is what downstream keys use instead of those bytes: the graph's structure (op
 targets, argument wiring by position, shapes, dtypes, symbolic ranges), its signature, and a
@@ -15,42 +16,47 @@ exports of the same model give the same digest whatever file or line the code ca
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-PROGRAM_FILES = ("program.json", "weights.pt", "constants.pt", "inputs.pt")
+TENSOR_PREFIX = "tensor."
 
 
-def save_program(ep, folder: Path, prefix: str = "") -> dict[str, Path]:
+def save_program(ep, folder: Path) -> dict[str, Path]:
     from executorch.exir.serde.serialize import serialize
 
     artifact = serialize(ep)
-    parts = {
-        "program.json": artifact.exported_program,
-        "weights.pt": artifact.state_dict,
-        "constants.pt": artifact.constants,
-        "inputs.pt": artifact.example_inputs,
-    }
+    parts = {"program.json": artifact.exported_program, "constants.pt": artifact.constants,
+             "inputs.pt": artifact.example_inputs}
+    index = {}
+    for fqn, tensor in ep.state_dict.items():
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        index[fqn] = TENSOR_PREFIX + fqn
+        parts[index[fqn]] = buffer.getvalue()
+    parts["weights.json"] = json.dumps(index, sort_keys=True).encode()
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for name, data in parts.items():
-        path = folder / (prefix + name)
-        path.write_bytes(data)
-        files[prefix + name] = path
+        files[name] = folder / name
+        files[name].write_bytes(data)
     return files
 
 
-def load_program(read: "callable", prefix: str = ""):
+def load_program(read: Callable[[str], bytes]):
     """Rebuild an ExportedProgram; `read(name)` returns the bytes of one stored file."""
     from executorch.exir.serde.export_serialize import SerializedArtifact
     from executorch.exir.serde.serialize import deserialize
 
-    artifact = SerializedArtifact(*(read(prefix + name) for name in PROGRAM_FILES))
-    return deserialize(artifact)
+    index = json.loads(read("weights.json"))
+    # The deserializer takes the state dict as tensors too: no second serialized copy in memory.
+    state = {fqn: torch.load(io.BytesIO(read(name)), weights_only=True) for fqn, name in index.items()}
+    return deserialize(SerializedArtifact(read("program.json"), state, read("constants.pt"), read("inputs.pt")))
 
 
 def load_example_inputs(data: bytes) -> tuple:

@@ -50,19 +50,27 @@ def test_cold_build_produces_verified_pte_and_ptd(built_tiny):
     assert b"_weights_blob" in (out / "aoti_cpu_blob.ptd").read_bytes()
 
 
-def test_methods_share_weights_once(built_tiny):
+def test_each_distinct_tensor_is_stored_once(built_tiny):
     stamps = built_tiny.root / "build" / "tiny_lm" / "cpu" / ".stamps"
     outputs = {s: json.loads((stamps / f"{s}.json").read_text())["outputs"] for s in STAGES}
-    # decode and prefill hold the same weights: one blob for both methods' programs at each stage,
-    # and one compiled weights blob, stored (and packaged into the .ptd) once.
+    weights = {s: {n: sha for n, sha in outputs[s].items() if n.startswith("tensor.")} for s in STAGES[1:5]}
+    # decode and prefill hold the same weights: the same blobs, at export and at edge.
     for kind in ("export", "edge"):
-        assert outputs[f"{kind}.decode"]["weights.pt"] == outputs[f"{kind}.prefill"]["weights.pt"]
+        assert weights[f"{kind}.decode"] == weights[f"{kind}.prefill"] and weights[f"{kind}.decode"]
+    # The edge program reuses every export weight (its passes only add two scalar constants).
+    export, edge = weights["export.decode"], weights["edge.decode"]
+    assert all(edge.get(name) == sha for name, sha in export.items())
+    assert len(edge) - len(export) <= 2
+    # One compiled weights blob for both methods, stored, and packaged into the .ptd, once.
     assert outputs["compile.decode"]["weights.blob"] == outputs["compile.prefill"]["weights.blob"]
     from cudabuild.store import Store
 
     store = Store(built_tiny.cache)
     blob = store.read_bytes(outputs["compile.decode"]["weights.blob"])
+    blobs = sum(1 for k in store.cache.iterkeys() if k.startswith("blob:"))
     store.close()
+    distinct = {sha for s in STAGES for sha in outputs[s].values()}
+    assert blobs == len(distinct)
     ptd = (built_tiny.root / "build" / "tiny_lm" / "cpu" / "aoti_cpu_blob.ptd").stat().st_size
     assert len(blob) <= ptd < 2 * len(blob)
 
