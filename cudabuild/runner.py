@@ -269,21 +269,21 @@ class Runner:
             self._run(stage, key, inputs, "a cached output was missing or corrupt")
         self.statuses[stage.id] = "ran"
 
-    def read_output(self, stage: Stage, name: str) -> bytes:
+    def _serve(self, stage: Stage, name: str, take: Callable[[str], object]):
+        """`take(sha)` of an upstream output; when the blob is corrupt or gone, its producer runs
+        again and the new blob is taken instead."""
         try:
-            return self.store.read_bytes(self._sha_of(stage, name))
+            return take(self._sha_of(stage, name))
         except (CorruptBlob, MissingBlob) as e:
             self.log(f"warning: {e}")
             self._rebuild(stage)
-            return self.store.read_bytes(self._sha_of(stage, name))
+            return take(self._sha_of(stage, name))
+
+    def read_output(self, stage: Stage, name: str) -> bytes:
+        return self._serve(stage, name, self.store.read_bytes)
 
     def fetch_output(self, stage: Stage, name: str, dest: Path) -> Path:
-        try:
-            return self.store.fetch(self._sha_of(stage, name), dest)
-        except (CorruptBlob, MissingBlob) as e:
-            self.log(f"warning: {e}")
-            self._rebuild(stage)
-            return self.store.fetch(self._sha_of(stage, name), dest)
+        return self._serve(stage, name, lambda sha: self.store.fetch(sha, dest))
 
     # -- manifest ------------------------------------------------------------------------------
 

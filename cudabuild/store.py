@@ -134,6 +134,16 @@ class Store:
         finally:
             os.unlink(tmp)
 
+    def _hash_blob(self, sha: str, sink=None) -> str:
+        """Stream a blob (into `sink`, when given) and return the sha256 of what was read."""
+        h = hashlib.sha256()
+        with self._open_blob(sha) as src:
+            while chunk := src.read(CHUNK):
+                h.update(chunk)
+                if sink is not None:
+                    sink.write(chunk)
+        return h.hexdigest()
+
     def fetch(self, sha: str, dest: os.PathLike | str) -> Path:
         """Copy a blob to `dest` atomically, verifying its hash; a corrupt blob is dropped."""
         self._ensure_local(sha)
@@ -141,14 +151,10 @@ class Store:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix="." + dest.name + ".")
         try:
-            h = hashlib.sha256()
-            with os.fdopen(fd, "wb") as out, self._open_blob(sha) as src:
-                while chunk := src.read(CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-            if h.hexdigest() != sha:
-                self.drop_blob(sha)
-                raise CorruptBlob(f"cached blob {sha[:12]} for {dest.name} failed its sha256 check; dropped, it will be rebuilt")
+            with os.fdopen(fd, "wb") as out:
+                if self._hash_blob(sha, out) != sha:
+                    self.drop_blob(sha)
+                    raise CorruptBlob(f"cached blob {sha[:12]} for {dest.name} failed its sha256 check; dropped, it will be rebuilt")
             os.replace(tmp, dest)
         finally:
             if os.path.exists(tmp):
@@ -157,27 +163,21 @@ class Store:
 
     def read_bytes(self, sha: str) -> bytes:
         self._ensure_local(sha)
-        with self._open_blob(sha) as src:
-            data = src.read()
-        if hashlib.sha256(data).hexdigest() != sha:
+        data = io.BytesIO()
+        if self._hash_blob(sha, data) != sha:
             self.drop_blob(sha)
             raise CorruptBlob(f"cached blob {sha[:12]} failed its sha256 check; dropped, it will be rebuilt")
-        return data
+        return data.getvalue()
 
     def verify_blob(self, sha: str) -> bool:
         """Re-hash one blob; drop it and return False when it is corrupt or unreadable."""
         try:
-            h = hashlib.sha256()
-            with self._open_blob(sha) as src:
-                while chunk := src.read(CHUNK):
-                    h.update(chunk)
+            intact = self._hash_blob(sha) == sha
         except (MissingBlob, OSError):
+            intact = False
+        if not intact:
             self.drop_blob(sha)
-            return False
-        if h.hexdigest() != sha:
-            self.drop_blob(sha)
-            return False
-        return True
+        return intact
 
     def drop_blob(self, sha: str) -> None:
         self.cache.delete("blob:" + sha)
