@@ -1,15 +1,19 @@
 """The CUDA target on a GPU machine, every case side by side in one run (issue: CUDA target).
 
     python bench/cuda_target.py [--model tiny_lm] [--set size=35b-a3b --set layers=4] [--budget 280] [--out DIR]
+    python bench/cuda_target.py --target cpu --cases cold,noop,replay,method,cold2,stock,stockwarm   # on a CPU
 
 Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
   cold        empty cache, the recipe's specs
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked
+  method      a one-method spec change (decode.max_autotune flipped): only decode's compile reruns
   lowmem      low_memory_mode=ON (peak GPU memory during compile vs cold's)
   cold2       a second cold build in a fresh cache dir: are .pte/.ptd byte-identical to cold's?
-  stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache
+  stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache,
+              inductor's caches empty
+  stockwarm   the same again, inductor's caches warm (what a re-export costs today)
 Cases are skipped once the time budget would be exceeded. Results are printed and written to
 OUT/cuda_target.json.
 """
@@ -28,11 +32,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 90, "noop": 5, "replay": 60, "lowmem": 70, "cold2": 90, "stock": 80}
+ESTIMATE = {"cold": 90, "noop": 5, "replay": 60, "method": 50, "lowmem": 70, "cold2": 90, "stock": 80, "stockwarm": 60}
 
 
 def sha(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def specs_of(project: Path, method: str) -> dict:
+    """The specs the last build of `project` used for `method` (from its compile stamp)."""
+    stamps = sorted(project.glob(f"build/*/*/.stamps/compile.{method}.json"))
+    return json.loads(stamps[0].read_text())["inputs"].get("specs", {}) if stamps else {}
 
 
 def main() -> None:
@@ -40,7 +50,8 @@ def main() -> None:
     parser.add_argument("--model", default="tiny_lm")
     parser.add_argument("--budget", type=float, default=280)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--cases", default="cold,noop,replay,lowmem,cold2,stock")
+    parser.add_argument("--cases", default="cold,noop,replay,method,lowmem,cold2,stock,stockwarm")
+    parser.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="recipe option or spec passed to every cudabuild build (e.g. size=35b-a3b)")
     args = parser.parse_args()
@@ -61,26 +72,33 @@ def main() -> None:
             shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
         return root
 
-    def run(name: str, cwd: Path, cmd: list[str], cache: Path) -> dict:
+    def run(name: str, cwd: Path, cmd: list[str], cache: Path, extra_env: dict | None = None) -> dict:
         env = dict(os.environ, CUDABUILD_CACHE_DIR=str(cache), CUDABUILD_PROJECT=str(cwd), PYTHONPATH=f"{cwd}:{os.environ.get('PYTHONPATH', '')}")
+        env.update(extra_env or {})
+        for stale in (cwd / "build" / args.model / args.target).glob("verify-*.failed.json"):
+            stale.unlink()  # an earlier case's: only this run's failures are reported for it
         t0 = time.monotonic()
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
         entry = {"seconds": round(time.monotonic() - t0, 2), "rc": done.returncode}
         (out / f"{name}.log").write_text(done.stdout[-20000:] + "\n--- stderr ---\n" + done.stderr[-20000:])
-        manifest_path = cwd / "build" / args.model / "cuda" / "manifest.json"
-        if manifest_path.exists() and name != "stock":
+        for failed in (cwd / "build" / args.model / args.target).glob("verify-*.failed.json"):
+            shutil.copy(failed, out / f"{name}-{failed.name}")  # where a mismatch arose, with its numbers
+            entry.setdefault("verify_failed", {})[failed.name] = json.loads(failed.read_text()).get("fault")
+        manifest_path = cwd / "build" / args.model / args.target / "manifest.json"
+        if manifest_path.exists() and not name.startswith("stock"):
             manifest = json.loads(manifest_path.read_text())
             entry["statuses"] = {f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]: s["status"] for s in manifest["stages"]}
             entry["verify"] = manifest.get("verify")
             entry["outputs"] = manifest.get("outputs")
-            stamps = cwd / "build" / args.model / "cuda" / ".stamps"
+            stamps = cwd / "build" / args.model / args.target / ".stamps"
             entry["compile"] = {p.stem: json.loads(p.read_text()).get("value") for p in stamps.glob("compile.*.json")}
         results["cases"][name] = entry
         save()
-        print(f"{name:<8}{entry['seconds']:8.1f}s rc={entry['rc']}", flush=True)
+        ran = sorted(stage for stage, status in (entry.get("statuses") or {}).items() if status == "ran")
+        print(f"{name:<8}{entry['seconds']:8.1f}s rc={entry['rc']}" + (f"  ran: {', '.join(ran)}" if "statuses" in entry else ""), flush=True)
         return entry
 
-    doit = [sys.executable, "-m", "doit", "export", f"model={args.model}", "target=cuda", *args.set]
+    doit = [sys.executable, "-m", "doit", "export", f"model={args.model}", f"target={args.target}", *args.set]
     main_project = project("main")
     cache = work / "cache-main"
     for case in args.cases.split(","):
@@ -94,14 +112,23 @@ def main() -> None:
             run(case, main_project, doit, cache)
         elif case == "replay":
             run(case, main_project, doit + ["emulate_precision_casts=OFF"], cache)
+        elif case == "method":
+            flipped = "OFF" if specs_of(main_project, "decode").get("max_autotune") == "ON" else "ON"
+            run(case, main_project, doit + [f"decode.max_autotune={flipped}"], cache)
         elif case == "lowmem":
             run(case, main_project, doit + ["low_memory_mode=ON"], cache)
         elif case == "cold2":
             second = project("second")
             run(case, second, doit, work / "cache-second")
-        elif case == "stock":
-            stock = project("stock")
-            run(case, stock, [sys.executable, "bench/baseline_lower.py", args.model, "cuda", str(work / "stock-out")], work / "cache-stock")
+        elif case in ("stock", "stockwarm"):
+            # stock: ExecuTorch's own lowering with inductor's caches empty, as cudabuild's cold build
+            # has them; stockwarm: the same again with those caches warm (a plain re-export today).
+            stock = work / "stock"
+            if not stock.exists():
+                stock = project("stock")
+            caches = {"TORCHINDUCTOR_CACHE_DIR": str(work / "stock-inductor"), "TRITON_CACHE_DIR": str(work / "stock-triton")}
+            run(case, stock, [sys.executable, "bench/baseline_lower.py", args.model, args.target, str(work / "stock-out")],
+                work / "cache-stock", caches)
 
     cases = results["cases"]
     if "outputs" in cases.get("cold", {}) and "outputs" in cases.get("cold2", {}):
@@ -117,6 +144,11 @@ def main() -> None:
             "cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"],
             "stock/noop": cases["stock"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9),
         }
+        if "seconds" in cases.get("stockwarm", {}):
+            results["ratios"]["stockwarm/noop"] = cases["stockwarm"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9)
+        for case in ("replay", "method"):
+            if "seconds" in cases.get(case, {}):
+                results["ratios"][f"stock/{case}"] = cases["stock"]["seconds"] / cases[case]["seconds"]
     save()
     print(json.dumps({k: v for k, v in results.items() if k != "cases"}, indent=1))
 

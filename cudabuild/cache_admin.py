@@ -111,6 +111,8 @@ class GcReport:
     evicted_records: int = 0
     evicted_bytes: int = 0
     dangling_records: int = 0
+    orphan_files: int = 0
+    orphan_bytes: int = 0
     size_after: int = 0
     pinned_bytes: int = 0
     pinned_blobs: int = 0
@@ -134,6 +136,9 @@ class GcReport:
             f"kept {plural(self.pinned_blobs, 'blob')} ({format_bytes(self.pinned_bytes)}) "
             f"that {plural(self.stamps, 'stamp')} under build/ reference",
         ]
+        if self.orphan_files:
+            out.append(f"deleted {plural(self.orphan_files, 'orphaned file')} ({format_bytes(self.orphan_bytes)}) "
+                       f"that killed cache writes left behind")
         if self.max_bytes is not None and self.pinned_bytes > self.max_bytes:
             out.append("note: what build/ references alone is over the limit; it was kept "
                        "(delete build/<model> folders to release it)")
@@ -142,7 +147,8 @@ class GcReport:
 
 def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_days: Optional[float] = None,
        now: Optional[float] = None) -> GcReport:
-    """Evict unpinned blobs and records: older than max_age_days, then least recently used until max_bytes."""
+    """Evict unpinned blobs and records: older than max_age_days, then least recently used until
+    max_bytes. Also deletes files that killed writes left without a row (Store.sweep_orphans)."""
     now = time.time() if now is None else now
     pinned = pins(project)
     entries = store.entries("blob:") + store.entries("rec:")
@@ -165,6 +171,7 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
                 report.evicted_records += 1
     if report.evicted_blobs:
         report.dangling_records = len(_drop_dangling_records(store))
+    report.orphan_files, report.orphan_bytes = store.sweep_orphans(now=now)
     report.size_after = store.size()
     return report
 

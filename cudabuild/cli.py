@@ -63,7 +63,8 @@ def _parser() -> _Parser:
                               description=COMMANDS[2][1] + ". Exit status 1 when something was dropped.")
     gc = cache_commands.add_parser(
         "gc", prog="cudabuild cache gc", description=COMMANDS[3][1] + " and/or --max-age. Blobs named by a stamp "
-        "under build/*/*/.stamps/ and those stamps' records are never evicted.",
+        "under build/*/*/.stamps/ and those stamps' records are never evicted. Also deletes files that killed "
+        "cache writes left without an entry (untouched for an hour).",
     )
     gc.add_argument("--max-size", metavar="SIZE", help="500M, 2G (powers of 1000), 1.5GiB (of 1024), or bytes; "
                     "default $CUDABUILD_CACHE_MAX_SIZE")

@@ -4,7 +4,7 @@ forecast of what the next `doit export` would do with each stage of a build.
 `reason(old, new)` is what runner.py records in a stamp when a stage runs (`spec max_autotune:
 OFF -> ON`, `source recipes/x.py changed`, `toolchain triton: 3.6.0 -> 3.7.1`). `forecast(runner)`
 decides each stage the way Runner.execute would (stamp holds the key: up to date; the store has
-a record for it: restorable; else it runs), from the stamps in build/ and the store's records,
+a record for it, in either tier: restorable; else it runs), from the stamps in build/ and the store's records,
 without running or restoring anything. A key depends on upstream results; where an upstream will
 run, its result is `Pending` and the forecast says what it waits on instead of guessing.
 
@@ -329,13 +329,15 @@ def forecast(runner) -> list[Forecast]:
             if old and old.get("key") == key and runner.finals_intact(old):
                 predicted[stage.id] = old
                 verdict = Forecast(stage.id, "up to date", "up to date")
-            elif (record := store.peek_record(key)) is not None:
+            elif (found := store.locate_record(key))[0] is not None:
+                record, tier = found
                 predicted[stage.id] = record
                 note = "; its files in build/ are missing or modified" if old and old.get("key") == key else ""
                 saves = record.get("seconds") or 0.0
                 saves = f"saves {saves:.1f}s" if saves >= 0.1 else ""
                 detail = "; ".join(x for x in (saves, note.lstrip("; ")) if x)
-                verdict = Forecast(stage.id, "restorable", "restorable from cache" + (f" ({detail})" if detail else ""))
+                source = "cache" if tier == "local" else f"the shared cache {store.remote.where}"
+                verdict = Forecast(stage.id, "restorable", f"restorable from {source}" + (f" ({detail})" if detail else ""))
         if verdict is None:
             predicted[stage.id] = {
                 "digest": Pending(stage.id), "outputs": None,

@@ -342,8 +342,11 @@ class Runner:
         return path
 
     def write_manifest(self) -> dict:
+        """After every stage succeeded: manifest.json, the build log, and no stale failure reports."""
         manifest = self.manifest()
         _atomic_write_text(self.config.build_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=False))
+        for method in manifest["verify"]:  # each verified now: an earlier failure's report is history
+            (self.config.build_dir / f"verify-{method}.failed.json").unlink(missing_ok=True)
         self.store.record_build(manifest)
         return manifest
 

@@ -35,6 +35,9 @@ import diskcache
 from .errors import CacheUnwritable, CorruptBlob, MissingBlob
 from .hashing import CHUNK, FileHasher, sha256_file
 
+# An unnamed value file this old is a killed write's leftover, not one about to be committed.
+ORPHAN_MIN_AGE_S = 3600
+
 # diskcache culls past size_limit on every write; cudabuild evicts by its own rules (gc keeps what
 # build/ references), so the limit is set beyond reach. LRU policy keeps access times up to date.
 _NEVER_CULL = 2**62
@@ -317,6 +320,22 @@ class Store:
             return None
         return record
 
+    def locate_record(self, key: str) -> tuple[Optional[dict], str]:
+        """(record, "local" or "remote") as find_record would serve it, changing nothing: no use is
+        recorded and nothing is copied from the remote tier. (None, "") when neither tier can."""
+        record = self.peek_record(key)
+        if record is not None:
+            return record, "local"
+        if self.remote is None:
+            return None, ""
+        record = self.remote.get_record(key)
+        if record is None:
+            return None, ""
+        missing = [sha for sha in record.get("outputs", {}).values() if not self.has_blob(sha)]
+        if missing and not self.remote.has_blobs(missing):
+            return None, ""
+        return record, "remote"
+
     def records(self) -> Iterator[tuple[str, dict]]:
         """Every (action key, record), readable or not-yet-dropped, without marking any as used."""
         for entry in self.entries("rec:"):
@@ -327,6 +346,30 @@ class Store:
                 record = None
             if isinstance(record, dict):
                 yield entry.key[len("rec:"):], record
+
+    def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
+        """Delete value files that no row names; (files, bytes) deleted.
+
+        A writer killed after diskcache wrote a blob's file and before its row committed leaves such
+        a file: never served, but it holds disk until someone deletes it. Only files untouched for
+        `min_age_s` count, so a write still in progress (file first, row a moment later) is left be.
+        """
+        now = time.time() if now is None else now
+        directory = Path(self.cache.directory)
+        named = {row[0] for row in self.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        files = swept = 0
+        for path in directory.glob("*/*/*.val"):
+            if str(path.relative_to(directory)) in named:
+                continue
+            try:
+                stat = path.stat()
+                if stat.st_mtime > now - min_age_s:
+                    continue
+                path.unlink()
+            except FileNotFoundError:  # another sweep got there first
+                continue
+            files, swept = files + 1, swept + stat.st_size
+        return files, swept
 
     def evict(self, key: str) -> bool:
         """Delete one entry by its full key ("blob:<sha>", "rec:<key>"); False if it was already gone."""

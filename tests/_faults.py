@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from _kill_hook import MARKER
 from conftest import Project
 
 from cudabuild.store import Store
@@ -64,6 +65,17 @@ def blob_files(project: Project) -> set[Path]:
     return set((project.cache / "store").rglob("*.val"))
 
 
+def orphan_blob_files(project: Project) -> set[Path]:
+    """Files in diskcache's directory that no row of its Cache table names."""
+    store = Store(project.cache)
+    try:
+        named = {row[0] for row in store.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        directory = Path(store.cache.directory)
+    finally:
+        store.close()
+    return {path for path in blob_files(project) if path.relative_to(directory).as_posix() not in named}
+
+
 # -- builds in the background -------------------------------------------------------------------
 
 
@@ -79,14 +91,44 @@ class Background:
         return self.proc.wait(timeout=timeout)
 
 
-def start_export(project: Project, log: Path, *args: str, **env) -> Background:
-    """`doit export` in its own process group (so a kill reaches every process it started)."""
+# `python -m doit ARGS`, with tests/_kill_hook installed first: sys.argv and the run of doit's
+# __main__ are what -m gives (runpy, run_name "__main__"); the tests dir is on sys.path only to
+# import the hook, and the build's cwd is first on it, as with -m.
+_DOIT_WITH_KILL_HOOK = (
+    "import sys, runpy; sys.path.insert(0, sys.argv.pop(1)); import _kill_hook; sys.path.pop(0); "
+    "_kill_hook.install(); runpy.run_module('doit', run_name='__main__', alter_sys=True)"
+)
+
+
+def start_export(project: Project, log: Path, *args: str, kill_hook: bool = False, **env) -> Background:
+    """`doit export` in its own process group (so a kill reaches every process it started).
+
+    kill_hook: the build kills its own process group right after diskcache has written the file of
+    the first blob it stores and before that blob's row commits (see _kill_hook); off by default.
+    """
+    doit = ["-c", _DOIT_WITH_KILL_HOOK, str(Path(__file__).resolve().parent)] if kill_hook else ["-m", "doit"]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "doit", "export", *(args or BUILD_ARGS)], cwd=project.root,
+            [sys.executable, *doit, "export", *(args or BUILD_ARGS)], cwd=project.root,
             env=project.env(**env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return Background(proc, log)
+
+
+def killed_by_hook(build: Background, timeout: float = 300) -> tuple[str, Path]:
+    """Wait for a kill_hook build to SIGKILL itself; (the blob's key, the file it left) from its line."""
+    try:
+        returncode = build.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(build.proc.pid, signal.SIGKILL)
+        build.proc.wait()
+        raise AssertionError(f"the build never stored a blob in {timeout}s:\n{build.output()[-3000:]}") from None
+    output = build.output()
+    assert returncode == -signal.SIGKILL, f"exit {returncode}, not SIGKILL:\n{output[-3000:]}"
+    lines = [line for line in output.splitlines() if line.startswith(MARKER)]
+    assert len(lines) == 1, output[-3000:]
+    key, filename = lines[0][len(MARKER):].split()
+    return key, Path(filename)
 
 
 def kill_when(build: Background, ready: Callable[[], bool], timeout: float = 300) -> bool:

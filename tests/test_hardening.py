@@ -19,11 +19,12 @@ import time
 import pytest
 
 from _faults import (
-    BUILD_ARGS, assert_cache_verifies, assert_same_outputs, blob_file, build_dir, forget, kill_when,
-    new_blob_file, one_error_line, stage_running_for, stamp, start_export,
+    BUILD_ARGS, assert_cache_verifies, assert_same_outputs, blob_file, build_dir, forget, killed_by_hook,
+    kill_when, one_error_line, orphan_blob_files, sha, stage_running_for, stamp, start_export,
 )
 from conftest import Project, assert_ok, new_project
 
+from cudabuild.cache_admin import format_bytes
 from cudabuild.store import Store
 
 REBUILD_TIMEOUT = 600
@@ -75,15 +76,48 @@ def test_sigkill_during_a_stage_then_rebuild_matches_a_clean_build(built_tiny, t
 
 @pytest.mark.slow
 def test_sigkill_while_a_stage_stores_its_outputs_then_rebuild_matches_a_clean_build(built_tiny, tiny_copy, tmp_path):
-    # Without its blobs in the store, package must write them again: kill when the first file appears.
+    # Without its blobs in the store, package must write them again. The build kills itself (see
+    # _kill_hook) right after diskcache wrote the first one's file, before that file's row commits.
     forget(tiny_copy, "package", blobs=("model.pte", "aoti_cpu_blob.ptd"))
-    build = start_export(tiny_copy, tmp_path / "killed.log", TMPDIR=tmp_path)  # the killed build's workdir stays here
-    assert kill_when(build, new_blob_file(tiny_copy)), build.output()[-3000:]
+    assert not orphan_blob_files(tiny_copy)
+    build = start_export(tiny_copy, tmp_path / "killed.log", kill_hook=True, TMPDIR=tmp_path)  # its workdir stays here
+    key, filename = killed_by_hook(build)
+
+    assert not (build_dir(tiny_copy) / ".stamps" / "package.json").exists(), "the kill came after package ended"
+    assert "package" not in records(tiny_copy).values()
+    # The file was complete, and no row names it: the blob is absent, its file an orphan.
+    orphan = tiny_copy.cache / "store" / filename
+    assert key.removeprefix("blob:") in stamp(built_tiny, "package")["outputs"].values(), key
+    assert orphan_blob_files(tiny_copy) == {orphan}
+    assert sha(orphan) == key.removeprefix("blob:")
+    store = Store(tiny_copy.cache)
+    try:
+        assert not store.has_blob(key.removeprefix("blob:"))
+    finally:
+        store.close()
 
     statuses = rebuild(tiny_copy)
-    assert statuses["package"] in ("ran", "restored")  # restored only if the kill came after its record
+    assert statuses["package"] == "ran"
     assert_same_outputs(tiny_copy, built_tiny)
     assert_cache_verifies(tiny_copy)
+
+    # The orphan is never served, only swept: gc leaves a fresh one (it could be a write about to
+    # commit) and deletes it once it is an hour old.
+    assert orphan_blob_files(tiny_copy) == {orphan}
+    assert "orphaned" not in cache_gc(tiny_copy)
+    hour_ago = time.time() - 3700
+    os.utime(orphan, (hour_ago, hour_ago))
+    assert f"deleted 1 orphaned file ({format_bytes(orphan.stat().st_size)}) that killed cache writes left behind" in cache_gc(tiny_copy)
+    assert not orphan.exists() and not orphan_blob_files(tiny_copy)
+    assert_cache_verifies(tiny_copy)
+
+
+def cache_gc(project: Project) -> str:
+    """`cudabuild cache gc` with limits that evict nothing here; its output."""
+    result = subprocess.run([sys.executable, "-m", "cudabuild", "cache", "gc", "--max-age", "3650"], cwd=project.root,
+                            env=project.env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "evicted 0 blobs and 0 records" in result.stdout, result.stdout + result.stderr
+    return result.stdout
 
 
 _PUT = ("import sys; from cudabuild.store import Store; s = Store(sys.argv[1]); print('open', flush=True); input(); "

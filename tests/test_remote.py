@@ -325,6 +325,26 @@ def test_second_machine_builds_from_redis_with_zero_compiles(built_tiny, server,
     assert "from remote 10" in result.stdout and not warning_lines(result)
 
 
+def test_explain_forecasts_what_redis_would_serve_and_changes_nothing(built_tiny, server, tmp_path):
+    seed(built_tiny, server)
+    fresh = new_project(tmp_path)
+    redis_keys = sorted(server.client().keys("*"))
+    result = subprocess.run([sys.executable, "-m", "cudabuild", "explain", *BUILD], cwd=fresh.root, capture_output=True,
+                            text=True, timeout=120, env=fresh.env(CUDABUILD_REMOTE=server.url))
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = dict(line.strip().split(None, 1) for line in result.stdout.splitlines()[1:])
+    assert list(said) == STAGES
+    assert all(v.startswith(f"restorable from the shared cache {server.url}") for v in said.values()), said
+    # Looking copied nothing: no record reached the fresh local cache, no key was added to Redis.
+    store = Store(fresh.cache)
+    try:
+        assert list(store.records()) == [] and store.usage().get("blob", (0, 0))[0] == 0
+    finally:
+        store.close()
+    assert sorted(server.client().keys("*")) == redis_keys
+    assert not (fresh.root / "build").exists()
+
+
 @pytest.mark.slow
 def test_corrupt_remote_blob_is_rejected_and_rebuilt(built_tiny, server, tmp_path):
     seed(built_tiny, server)

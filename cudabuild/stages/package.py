@@ -1,16 +1,19 @@
 """package: one .pte + one .ptd for all methods, in the layout the ExecuTorch CUDA runtime reads.
 
-The methods' exported programs are lowered again through ExecuTorch (cheap: nothing compiles),
-with cudabuild's backend in emit mode handing back the stored .so and weights blob per method,
-and the delegates renamed to the runtime's id. Weights blobs shared by several methods are stored
-once in the .ptd (named data is keyed by content).
+Each method is lowered through ExecuTorch as a stand-in with its calling convention (see
+cudabuild.standin: no weights loaded, no edge passes over the model; the same bytes), or, where a
+stand-in cannot reproduce it, as its exported program. cudabuild's backend in emit mode hands back
+the stored .so and weights blob per method, and the delegates are renamed to the runtime's id.
+Weights blobs shared by several methods are stored once in the .ptd (named data is keyed by
+content).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from .. import delegate
+from .. import delegate, standin
 from ..errors import CompileFailed, one_line
 from ..programs import load_program
 from ..runner import StageResult
@@ -23,38 +26,55 @@ def ptd_name(target: str) -> str:
 
 
 def run(ctx) -> StageResult:
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-
     config = ctx.config
     methods = config.methods
-    programs = {m: load_program(lambda name, m=m: ctx.blob("export", m, name)) for m in methods}
-    metadata = json.loads(ctx.blob("export", methods[0], "metadata.json"))
+    programs, relowered = {}, {}
+    for m in methods:
+        try:
+            programs[m] = standin.stand_in_program(json.loads(ctx.blob("export", m, "graph.json")))
+        except standin.Unsupported as e:
+            programs[m] = load_program(lambda name, m=m: ctx.blob("export", m, name))
+            relowered[m] = str(e)
     compiled = {
         m: delegate.Compiled(ctx.blob("compile", m, "model.so"), ctx.blob("compile", m, "weights.blob"))
         for m in methods
     }
-    partitioners = {m: [delegate.partitioner(m, dict(config.specs[m]), config.target)] for m in methods}
+    files = write_package(
+        programs, compiled, {m: dict(config.specs[m]) for m in methods}, config.target,
+        json.loads(ctx.blob("export", methods[0], "metadata.json")), ctx.workdir, config.model,
+    )
+    return StageResult(files, value={"stand_in": [m for m in methods if m not in relowered], "relowered": relowered})
+
+
+def write_package(programs: dict, compiled: dict, specs: dict, target: str, metadata: dict, workdir: Path,
+                  model: str) -> dict[str, Path]:
+    """Lower {method: program} with each method's compiled .so and weights blob as its delegate;
+    write the .pte and .ptd into workdir and return them by name."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    methods = list(programs)
+    partitioners = {m: [delegate.partitioner(m, specs[m], target)] for m in methods}
     try:
-        with delegate.emit(compiled.__getitem__, config.target):
+        with delegate.emit(compiled.__getitem__, target):
             edge = to_edge_transform_and_lower(
                 programs,
                 partitioner=partitioners,
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
                 constant_methods=metadata or None,
             )
-        renamed = delegate.rename_delegates(edge, methods, config.target)
+        renamed = delegate.rename_delegates(edge, methods, target)
         program = edge.to_executorch()
     except Exception as e:
-        raise CompileFailed(f"packaging {config.model} failed: {one_line(e)}") from e
+        raise CompileFailed(f"packaging {model} failed: {one_line(e)}") from e
     if renamed != len(methods):
-        raise CompileFailed(f"packaging {config.model}: expected one delegate per method, found {renamed}")
-    pte = ctx.workdir / PTE
+        raise CompileFailed(f"packaging {model}: expected one delegate per method, found {renamed}")
+    pte = workdir / PTE
     with open(pte, "wb") as f:
         program.write_to_file(f)
-    program.write_tensor_data_to_file(str(ctx.workdir))
+    program.write_tensor_data_to_file(str(workdir))
     files = {PTE: pte}
-    for path in ctx.workdir.glob("*.ptd"):
+    for path in workdir.glob("*.ptd"):
         files[path.name] = path
-    if ptd_name(config.target) not in files:
-        raise CompileFailed(f"packaging {config.model}: ExecuTorch wrote no {ptd_name(config.target)}")
-    return StageResult(files)
+    if ptd_name(target) not in files:
+        raise CompileFailed(f"packaging {model}: ExecuTorch wrote no {ptd_name(target)}")
+    return files

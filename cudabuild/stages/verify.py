@@ -29,7 +29,8 @@ def promote_libtorch(device: str) -> None:
         ctypes.CDLL(os.path.join(lib_dir, name), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
 
 
-def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> list:
+def load_compiled(so_path: str, blob_path: str, device: str):
+    """torch's AOTI runner for the .so, with its constants loaded from the weights blob."""
     import torch
 
     promote_libtorch(device)
@@ -38,7 +39,35 @@ def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> li
     else:
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
     runner.update_constant_buffer_from_blob(blob_path)
-    return runner.run([t.to(device) for t in inputs])
+    return runner
+
+
+def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> list:
+    return load_compiled(so_path, blob_path, device).run([t.to(device) for t in inputs])
+
+
+def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> tuple[int, list[str]]:
+    """Load the blob into a fresh runner and compare every constant it names with the program's
+    tensor of the same FQN: (how many were compared, the FQNs whose values differ). Read before
+    any run, so mutated buffers (KV caches) still hold their initial values. Constants inductor
+    made itself (folded or prepacked, no FQN of the program or another shape) are not compared."""
+    import torch
+
+    reference = dict(ep.state_dict)
+    reference.update((fqn, t) for fqn, t in ep.constants.items() if isinstance(t, torch.Tensor))
+    # The extracted tensors are views of the runner's constant memory: keep the runner alive.
+    runner = load_compiled(so_path, blob_path, device)
+    loaded = runner.extract_constants_map(False)
+    compared, unlike = 0, []
+    for fqn, value in sorted(loaded.items()):
+        want = reference.get(fqn)
+        if want is None or tuple(want.shape) != tuple(value.shape):
+            continue
+        compared += 1
+        if not torch.equal(value.detach().to("cpu", want.dtype), want.detach().to("cpu")):
+            unlike.append(fqn)
+    del loaded, runner
+    return compared, unlike
 
 
 def run(ctx) -> StageResult:
@@ -67,7 +96,7 @@ def run(ctx) -> StageResult:
     path.write_text(json.dumps(report, indent=1))
     if not report["passed"]:
         worst = max(report["outputs"], key=lambda o: o["max_abs_diff"] / max(o["allowed"], 1e-30), default={})
-        where = _locate_fault(ctx, method, inputs, expected, worst.get("index") or 0, device)
+        where = _locate_fault(ctx, method, inputs, expected, worst.get("index") or 0, device, (str(so), str(blob)), report)
         report["fault"] = where
         _keep_failed_report(ctx, method, report)
         raise VerifyFailed(
@@ -94,18 +123,35 @@ def eager_outputs(ep, inputs: tuple, device: str) -> list:
     return [t.detach().to("cpu") for t in out]
 
 
-def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, device: str) -> str:
-    """On a mismatch, run the stored edge program eagerly too: says whether the outputs were
-    already wrong before AOTInductor (lowering or serialization) or went wrong in the compile."""
+def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, device: str,
+                  compiled: tuple[str, str], report: dict) -> str:
+    """On a mismatch, narrow down where it arose, in pipeline order: the stored edge program run
+    eagerly (wrong already before AOTInductor: edge lowering or its serialization), then the
+    constants the weights blob loads against the edge program's (wrong weights or an
+    uninitialised cache), else the compiled code itself."""
     try:
         edge = load_program(lambda name: ctx.blob("edge", method, name))
         got = eager_outputs(edge, inputs, device)
         diff = (got[index].float() - expected[index].float()).abs().max().item()
     except Exception as e:  # a diagnostic only: never hide the verify failure behind it
         return f"the edge program could not be run eagerly to locate the fault ({type(e).__name__})"
-    if diff <= 1e-4 * max(1.0, expected[index].abs().max().item()):
-        return f"the edge program matches eager (|diff| {diff:.3g}): the fault is in the compile"
-    return f"the edge program already differs by {diff:.3g}: the fault is before the compile (edge lowering or its serialization)"
+    if diff > 1e-4 * max(1.0, expected[index].abs().max().item()):
+        return f"the edge program already differs by {diff:.3g}: the fault is before the compile (edge lowering or its serialization)"
+    # Running it eagerly wrote into its KV caches (on the CPU the module shares the program's
+    # tensors): compare the blob with a freshly loaded copy.
+    del edge, got
+    try:
+        edge = load_program(lambda name: ctx.blob("edge", method, name))
+        compared, unlike = constants_unlike_program(*compiled, edge, device)
+    except Exception as e:
+        return f"the edge program matches eager (|diff| {diff:.3g}); its constants could not be compared ({type(e).__name__})"
+    report["constants"] = {"compared": compared, "unlike_edge_program": unlike}
+    if unlike:
+        named = ", ".join(unlike[:3]) + (f" and {len(unlike) - 3} more" if len(unlike) > 3 else "")
+        return (f"the edge program matches eager (|diff| {diff:.3g}) but the weights blob loads {len(unlike)} of "
+                f"{compared} constants with other values ({named}): the fault is in the compile's constants")
+    return (f"the edge program matches eager (|diff| {diff:.3g}) and the weights blob loads all {compared} "
+            f"constants exactly: the fault is in the compiled code")
 
 
 def _keep_failed_report(ctx, method: str, report: dict) -> None:

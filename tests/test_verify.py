@@ -1,0 +1,80 @@
+"""verify is the gate that keeps a wrong compile out of the cache: a mismatch must fail the build
+with one line that says where the fault arose, cache nothing, and leave its numbers behind; the
+fault locator must tell a weights blob that loads wrong values from compiled code that is wrong."""
+
+from __future__ import annotations
+
+import json
+
+from _faults import MODEL, TARGET, build_dir, one_error_line, stamp
+from conftest import assert_ok
+
+from cudabuild.programs import load_program
+from cudabuild.stages.verify import constants_unlike_program
+from cudabuild.store import Store
+
+
+def edge_program_and_compile(project, tmp_path, method: str = "decode"):
+    """(edge program, .so path, weights blob path) of one method, read from the project's cache."""
+    store = Store(project.cache)
+    try:
+        edge_outputs = stamp(project, f"edge.{method}")["outputs"]
+        edge = load_program(lambda name: store.read_bytes(edge_outputs[name]))
+        compiled = stamp(project, f"compile.{method}")["outputs"]
+        so = store.fetch(compiled["model.so"], tmp_path / "model.so")
+        blob = store.fetch(compiled["weights.blob"], tmp_path / "weights.blob")
+    finally:
+        store.close()
+    return edge, str(so), str(blob)
+
+
+def verify_records(project) -> set[str]:
+    store = Store(project.cache)
+    try:
+        return {key for key, record in store.records() if record["stage"].startswith("verify")}
+    finally:
+        store.close()
+
+
+def test_the_constants_a_sound_blob_loads_are_the_edge_programs(built_tiny, tmp_path):
+    edge, so, blob = edge_program_and_compile(built_tiny, tmp_path)
+    compared, unlike = constants_unlike_program(so, blob, edge, "cpu")
+    # tiny_lm's 21 weights and both layers' k/v caches (initial zeros); inductor folds the lifted
+    # scalar constants into the code, so those have no blob entry.
+    assert compared == 25 and unlike == []
+
+
+def test_a_weights_blob_with_one_wrong_value_is_named_by_its_constant(built_tiny, tmp_path):
+    edge, so, blob = edge_program_and_compile(built_tiny, tmp_path)
+    data = bytearray(open(blob, "rb").read())
+    weight = edge.state_dict["lm_head.weight"].detach().contiguous().numpy().tobytes()
+    at = bytes(data).find(weight)
+    assert at >= 0, "the blob holds each weight's bytes as they are"
+    data[at + 401] ^= 0x40  # an exponent bit of one float in the middle of lm_head.weight
+    damaged = tmp_path / "damaged.blob"
+    damaged.write_bytes(data)
+    assert constants_unlike_program(so, str(damaged), edge, "cpu")[1] == ["lm_head.weight"]
+
+
+def test_a_mismatch_fails_the_build_with_its_location_and_caches_nothing(tiny_copy):
+    # 21 weights and 4 k/v caches are compared. A tolerance no fp32 compile meets (CPU AOTI differs from eager by ~1e-6) makes a real mismatch.
+    recipe = tiny_copy.root / "recipes" / f"{MODEL}.py"
+    source = recipe.read_text()
+    recipe.write_text(source.replace("    constant_methods=metadata,\n)", "    constant_methods=metadata,\n    tolerances={'float32': 1e-12},\n)"))
+    assert recipe.read_text() != source
+    before = (stamp(tiny_copy, "verify.decode"), verify_records(tiny_copy))
+
+    result = tiny_copy.export(f"model={MODEL}", f"target={TARGET}")
+    line = one_error_line(result)
+    assert "compiled output 0 differs from eager by" in line and "(allowed 1.6" in line, line
+    assert "and the weights blob loads all 25 constants exactly: the fault is in the compiled code" in line, line
+    assert (stamp(tiny_copy, "verify.decode"), verify_records(tiny_copy)) == before  # nothing new stored
+    report = json.loads((build_dir(tiny_copy) / "verify-decode.failed.json").read_text())
+    assert report["passed"] is False and report["constants"] == {"compared": 25, "unlike_edge_program": []}
+    assert report["outputs"][0]["max_abs_diff"] > 1e-12
+
+    # Back to the recipe's tolerances: verify is served from the cache and the stale report goes.
+    recipe.write_text(source)
+    assert_ok(tiny_copy.export(f"model={MODEL}", f"target={TARGET}"))
+    assert tiny_copy.statuses()["verify.decode"] == "cached"
+    assert not (build_dir(tiny_copy) / "verify-decode.failed.json").exists()
