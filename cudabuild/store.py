@@ -203,18 +203,12 @@ class Store:
         record found remotely is copied into this store.
         """
         raw = self.cache.get("rec:" + key)
-        record, source = None, "local"
-        if raw is not None:
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                self.drop_record(key)
+        record, source = _record_from(raw), "local"
+        if raw is not None and record is None:
+            self.drop_record(key)  # unreadable: a miss, and gone so it cannot be one again
         if record is None and self.remote is not None:
             record, source = self.remote.get_record(key), "remote"
-        if record is None:
-            return None, source
-        missing = [sha for sha in record.get("outputs", {}).values() if not self.has_blob(sha)]
-        if missing and (self.remote is None or not self.remote.has_blobs(missing)):
+        if record is None or not self._blobs_reachable(record, remote_ok=True):
             return None, source
         if source == "remote":
             self.put_record(key, record)
@@ -311,14 +305,8 @@ class Store:
 
     def peek_record(self, key: str) -> Optional[dict]:
         """Like get_record, without marking the record as used."""
-        raw = self._peek("rec:" + key)
-        try:
-            record = json.loads(raw) if raw is not None else None
-        except ValueError:
-            return None
-        if record is None or not all(self.has_blob(sha) for sha in record.get("outputs", {}).values()):
-            return None
-        return record
+        record = _record_from(self._peek("rec:" + key))
+        return record if record is not None and self._blobs_reachable(record, remote_ok=False) else None
 
     def locate_record(self, key: str) -> tuple[Optional[dict], str]:
         """(record, "local" or "remote") as find_record would serve it, changing nothing: no use is
@@ -326,25 +314,21 @@ class Store:
         record = self.peek_record(key)
         if record is not None:
             return record, "local"
-        if self.remote is None:
-            return None, ""
-        record = self.remote.get_record(key)
-        if record is None:
-            return None, ""
+        record = self.remote.get_record(key) if self.remote is not None else None
+        if record is not None and self._blobs_reachable(record, remote_ok=True):
+            return record, "remote"
+        return None, ""
+
+    def _blobs_reachable(self, record: dict, remote_ok: bool) -> bool:
+        """Every blob the record names is here, or (remote_ok) in the remote tier."""
         missing = [sha for sha in record.get("outputs", {}).values() if not self.has_blob(sha)]
-        if missing and not self.remote.has_blobs(missing):
-            return None, ""
-        return record, "remote"
+        return not missing or (remote_ok and self.remote is not None and self.remote.has_blobs(missing))
 
     def records(self) -> Iterator[tuple[str, dict]]:
         """Every (action key, record), readable or not-yet-dropped, without marking any as used."""
         for entry in self.entries("rec:"):
-            raw = self._peek(entry.key)
-            try:
-                record = json.loads(raw) if raw is not None else None
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
+            record = _record_from(self._peek(entry.key))
+            if record is not None:
                 yield entry.key[len("rec:"):], record
 
     def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
@@ -398,6 +382,17 @@ class Store:
 
 
 MAX_SIZE_ENV = "CUDABUILD_CACHE_MAX_SIZE"
+
+
+def _record_from(raw) -> Optional[dict]:
+    """A stored record, or None for no entry or an unreadable one (a damaged record is a miss)."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _unwritable(root: Path, doing: str, error: BaseException) -> str:
