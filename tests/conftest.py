@@ -23,15 +23,29 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Project:
-    root: Path
-    cache: Path
+    root: Path  # the project: dodo.py, cudabuild/, recipes/, build/
+    cache: Path  # its CUDABUILD_CACHE_DIR
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "build" / "tiny_lm" / "cpu"
 
     def env(self, **extra) -> dict:
-        env = dict(os.environ)
-        env.pop("CUDABUILD_REMOTE", None)
+        # Hermetic: a developer's own inductor, Triton or cudabuild settings (a shared Redis, another
+        # inductor dir) must not reach a test's build; tests that want one pass it in `extra`.
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "CUDABUILD_", "AOT_INDUCTOR_"))}
         env.update(CUDABUILD_CACHE_DIR=str(self.cache), CUDABUILD_PROJECT=str(self.root), PYTHONUNBUFFERED="1")
         env.update({k: str(v) for k, v in extra.items()})
         return env
+
+    def run(self, *args: str, check: bool = True, timeout: float = 900, **env) -> subprocess.CompletedProcess:
+        """`python ARGS` in the project; with check, a non-zero exit fails the test with its output."""
+        done = subprocess.run([sys.executable, *args], cwd=self.root, env=self.env(**env),
+                              capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert_ok(done)
+        return done
 
     def doit(self, *args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -41,6 +55,18 @@ class Project:
 
     def export(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self.doit("export", *args, **kw)
+
+    def cudabuild(self, *args: str, check: bool = True, **env) -> subprocess.CompletedProcess:
+        return self.run("-m", "cudabuild", *args, check=check, **env)
+
+    def explain(self, *settings: str, **env) -> dict[str, str]:
+        """{stage id: what `cudabuild explain model=tiny_lm target=cpu SETTINGS` says about it}."""
+        out = self.cudabuild("explain", "model=tiny_lm", "target=cpu", *settings, **env).stdout.splitlines()
+        assert out[0] == "tiny_lm / cpu", out
+        return dict(line.strip().split(None, 1) for line in out[1:])
+
+    def stamp(self, stage: str) -> dict:
+        return json.loads((self.build_dir / ".stamps" / f"{stage}.json").read_text())
 
     def manifest(self, model: str = "tiny_lm", target: str = "cpu") -> dict:
         return json.loads((self.root / "build" / model / target / "manifest.json").read_text())
@@ -52,6 +78,7 @@ class Project:
         }
 
     def copy(self, dest: Path) -> "Project":
+        """The project and its cache copied under dest (as dest/project and dest/cache)."""
         shutil.copytree(self.root, dest / "project", symlinks=True)
         shutil.copytree(self.cache, dest / "cache", symlinks=True)
         return Project(dest / "project", dest / "cache")

@@ -73,8 +73,8 @@ def plant(store: Store, count: int, size: int) -> list[str]:
 
 @pytest.mark.slow
 def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_factory, tmp_path):
-    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
-    pins = cache_admin.pins(clone.project)
+    clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
+    pins = cache_admin.pins(clone.root)
     store = Store(clone.cache)
     try:
         assert all(pins.holds(e.key) for e in store.entries("blob:")), "a single build pins every blob"
@@ -82,7 +82,7 @@ def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_
         store.read_bytes(oldest)  # used again: now the most recently used
         store.put_record("planted", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
         limit = store.size() - MiB - MiB // 2
-        report = cache_admin.gc(store, clone.project, max_bytes=limit)
+        report = cache_admin.gc(store, clone.root, max_bytes=limit)
         assert (report.evicted_blobs, store.has_blob(middle), store.has_blob(newest), store.has_blob(oldest)) == (2, False, False, True)
         assert report.dangling_records == 1 and store.peek_record("planted") is None
         assert store.size() <= limit
@@ -93,42 +93,42 @@ def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_
     out = clone.cudabuild("cache", "gc", "--max-size", "1").stdout
     assert "evicted 1 blob and 0 records" in out and "note: what build/ references alone is over the limit" in out
     assert set(clone.explain().values()) == {"up to date"}
-    summary = clone.doit("export", *BUILD).stdout
+    summary = clone.run("-m", "doit", "export", *BUILD).stdout
     assert "ran 0, restored 0, cached 10" in summary
 
 
 @pytest.mark.slow
 def test_gc_max_age_and_enforce_limit_spare_pinned_entries(tmp_path_factory, tmp_path, monkeypatch):
-    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
-    pins = cache_admin.pins(clone.project)
+    clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
+    pins = cache_admin.pins(clone.root)
     store = Store(clone.cache)
     try:
         (planted,) = plant(store, 1, 1000)
-        assert cache_admin.gc(store, clone.project, max_age_days=1).evicted_blobs == 0  # used just now
-        assert cache_admin.gc(store, clone.project, max_age_days=0).evicted_blobs == 1
+        assert cache_admin.gc(store, clone.root, max_age_days=1).evicted_blobs == 0  # used just now
+        assert cache_admin.gc(store, clone.root, max_age_days=0).evicted_blobs == 1
         assert not store.has_blob(planted)
 
         pinned_bytes = store.size()
         plant(store, 3, MiB)
         monkeypatch.delenv("CUDABUILD_CACHE_MAX_SIZE", raising=False)
-        assert store.enforce_limit(clone.project) is None and store.size() > pinned_bytes + 3 * MiB - 1
+        assert store.enforce_limit(clone.root) is None and store.size() > pinned_bytes + 3 * MiB - 1
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", str(pinned_bytes + 2 * MiB))
-        report = store.enforce_limit(clone.project)
+        report = store.enforce_limit(clone.root)
         assert report.evicted_blobs == 1 and store.size() <= pinned_bytes + 2 * MiB
-        assert store.enforce_limit(clone.project) is None  # under the limit now: nothing to do
+        assert store.enforce_limit(clone.root) is None  # under the limit now: nothing to do
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "0")
-        store.enforce_limit(clone.project)
+        store.enforce_limit(clone.root)
         assert store.size() == pinned_bytes and all(store.has_blob(sha) for sha in pins.blobs)
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "lots")
         with pytest.raises(InvalidOption, match="^CUDABUILD_CACHE_MAX_SIZE 'lots' is not a size"):
-            store.enforce_limit(clone.project)
+            store.enforce_limit(clone.root)
     finally:
         store.close()
 
 
 @pytest.mark.slow
 def test_verify_drops_a_corrupt_blob_and_the_records_that_named_it(tmp_path_factory, tmp_path):
-    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
+    clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
     edge = clone.stamp("edge.decode")
     corrupt = edge["outputs"]["graph.json"]
     gone = clone.stamp("compile.prefill")["outputs"]["compile.json"]

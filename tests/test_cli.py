@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _fixtures_cli import REPO
+from conftest import REPO
 from cudabuild.cli import COMMANDS, main
 
 

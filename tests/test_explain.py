@@ -133,18 +133,18 @@ def test_toolchain_env_change_names_the_variable(tmp_path_factory):
 
 @pytest.mark.slow
 def test_wiped_build_is_restorable_from_cache(tmp_path_factory, tmp_path):
-    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
-    shutil.rmtree(clone.project / "build")
+    clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
+    shutil.rmtree(clone.root / "build")
     said = clone.explain()
     assert len(said) == 10 and all(words.startswith("restorable from cache") for words in said.values()), said
 
 
 @pytest.mark.slow
 def test_graph_change_names_the_first_differing_node_and_the_source(tmp_path_factory, tmp_path):
-    clone = tiny_lm_build(tmp_path_factory).clone(tmp_path / "root")
-    recipe = clone.project / "recipes" / "tiny_lm.py"
+    clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
+    recipe = clone.root / "recipes" / "tiny_lm.py"
     recipe.write_text(recipe.read_text().replace("F.silu(", "F.gelu("))
-    clone.doit("export:export.decode", *BUILD)  # export runs for decode only; edge has not seen it yet
+    clone.run("-m", "doit", "export:export.decode", *BUILD)  # export runs for decode only; edge has not seen it yet
     said = clone.explain()
     assert said["export.decode"] == "up to date"
     assert said["edge.decode"].startswith("will run because the exported graph of decode changed: first difference at node ")
