@@ -4,7 +4,8 @@
     python bench/cuda_target.py --target cpu --cases cold,noop,replay,method,cold2,stock,stockwarm   # on a CPU
 
 Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
-  cold        empty cache, the recipe's specs
+  cold        empty cache, the recipe's specs; then bench/package_identity.py: are the stand-in
+              package's bytes those of lowering the exported programs?
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked
@@ -85,7 +86,7 @@ def main() -> None:
             shutil.copy(failed, out / f"{name}-{failed.name}")  # where a mismatch arose, with its numbers
             entry.setdefault("verify_failed", {})[failed.name] = json.loads(failed.read_text()).get("fault")
         manifest_path = cwd / "build" / args.model / args.target / "manifest.json"
-        if manifest_path.exists() and not name.startswith("stock"):
+        if manifest_path.exists() and cmd[1:3] == ["-m", "doit"]:  # a cudabuild build, not a script
             manifest = json.loads(manifest_path.read_text())
             entry["statuses"] = {f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]: s["status"] for s in manifest["stages"]}
             entry["verify"] = manifest.get("verify")
@@ -107,7 +108,11 @@ def main() -> None:
             print(f"{case:<8} skipped (budget)", flush=True)
             continue
         if case == "cold":
-            run(case, main_project, doit, cache)
+            if run(case, main_project, doit, cache)["rc"] == 0:
+                # package lowers stand-ins: are its bytes those of lowering the exported programs?
+                check = run("package_identity", main_project, [sys.executable, "bench/package_identity.py", args.model, args.target], cache)
+                lines = (out / "package_identity.log").read_text().split("\n--- stderr ---")[0].strip().splitlines()
+                results["package_identity"] = json.loads(lines[-1]) if check["rc"] in (0, 1) and lines else None
         elif case == "noop":
             run(case, main_project, doit, cache)
         elif case == "replay":
