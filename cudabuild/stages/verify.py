@@ -66,7 +66,6 @@ def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> t
         compared += 1
         if not torch.equal(value.detach().to("cpu", want.dtype), want.detach().to("cpu")):
             unlike.append(fqn)
-    del loaded, runner
     return compared, unlike
 
 
@@ -131,20 +130,24 @@ def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, d
     uninitialised cache), else the compiled code itself."""
     try:
         edge = load_program(lambda name: ctx.blob("edge", method, name))
+    except Exception as e:  # a diagnostic only: never hide the verify failure behind it
+        return f"the edge program could not be loaded to locate the fault ({type(e).__name__})"
+    # Compare constants before the eager run: it writes into the program's KV caches (on the CPU
+    # the module shares the program's tensors).
+    try:
+        constants = constants_unlike_program(*compiled, edge, device)
+    except Exception as e:
+        constants = e
+    try:
         got = eager_outputs(edge, inputs, device)
         diff = (got[index].float() - expected[index].float()).abs().max().item()
-    except Exception as e:  # a diagnostic only: never hide the verify failure behind it
+    except Exception as e:
         return f"the edge program could not be run eagerly to locate the fault ({type(e).__name__})"
     if diff > 1e-4 * max(1.0, expected[index].abs().max().item()):
         return f"the edge program already differs by {diff:.3g}: the fault is before the compile (edge lowering or its serialization)"
-    # Running it eagerly wrote into its KV caches (on the CPU the module shares the program's
-    # tensors): compare the blob with a freshly loaded copy.
-    del edge, got
-    try:
-        edge = load_program(lambda name: ctx.blob("edge", method, name))
-        compared, unlike = constants_unlike_program(*compiled, edge, device)
-    except Exception as e:
-        return f"the edge program matches eager (|diff| {diff:.3g}); its constants could not be compared ({type(e).__name__})"
+    if isinstance(constants, Exception):
+        return f"the edge program matches eager (|diff| {diff:.3g}); its constants could not be compared ({type(constants).__name__})"
+    compared, unlike = constants
     report["constants"] = {"compared": compared, "unlike_edge_program": unlike}
     if unlike:
         named = ", ".join(unlike[:3]) + (f" and {len(unlike) - 3} more" if len(unlike) > 3 else "")
