@@ -14,7 +14,6 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
@@ -22,6 +21,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 
 from cudabuild.errors import CudabuildError
+from cudabuild.files import atomic_write
 
 PathLike = Union[str, os.PathLike]
 
@@ -139,18 +139,6 @@ def load_file(path: PathLike) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in iter_tensors(header, sorted(header.entries))}
 
 
-def _atomic_write(path: Path, write: Callable) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save_file(path: PathLike, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
     """Write one .safetensors file (tensors in name order), atomically."""
     header, offset, blobs = {}, 0, []
@@ -174,7 +162,7 @@ def save_file(path: PathLike, tensors: Mapping[str, torch.Tensor], metadata: Opt
             if t.numel():
                 f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
-    _atomic_write(Path(path), write)
+    atomic_write(Path(path), write)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +293,6 @@ def save_checkpoint(path: PathLike, tensors: Mapping[str, torch.Tensor], config:
             weight_map.update({n: file for n in part})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        _atomic_write(path / INDEX_FILE, lambda f: f.write(index.encode()))
+        atomic_write(path / INDEX_FILE, lambda f: f.write(index.encode()))
     text = json.dumps(dict(config), indent=2)
-    _atomic_write(path / CONFIG_FILE, lambda f: f.write(text.encode()))
+    atomic_write(path / CONFIG_FILE, lambda f: f.write(text.encode()))

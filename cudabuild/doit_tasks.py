@@ -27,6 +27,7 @@ from doit.exceptions import TaskFailed
 from . import nightly
 from .config import load_config
 from .errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, one_line
+from .files import atomic_write_text
 from .graph import dependencies, plan
 from .registry import list_models
 from .reporter import CudabuildReporter, print_summary
@@ -216,7 +217,7 @@ def task_nightly():
             summaries.append(nightly.summarise(build, journal.entries(build), manifest, load_error))
         remote = store.remote.server_info() if store.remote is not None else None
         data = nightly.report(summaries, STARTED_AT, remote)
-        nightly.write_json(project / "build" / "nightly.json", data)
+        atomic_write_text(project / "build" / "nightly.json", json.dumps(data, indent=1))
         journal.clear()
         nightly.print_report(data)
         failed = [b for b in summaries if b["status"] != "ok"]

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 from doit.exceptions import TaskFailed
 
 from .errors import one_line
+from .files import atomic_write_text
 
 STATUSES = ("ran", "restored", "remote", "cached")
 
@@ -38,11 +39,8 @@ class Journal:
         self.dir = Path(project) / "build" / ".nightly" / run_id
 
     def write(self, build: str, step: str, entry: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{build.replace('/', '~')}~{step}.json"
-        tmp = path.with_name("." + path.name)
-        tmp.write_text(json.dumps(dict(entry, build=build, step=step), sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(dict(entry, build=build, step=step), sort_keys=True))
 
     def entries(self, build: Optional[str] = None) -> list[dict]:
         pattern = f"{build.replace('/', '~')}~*.json" if build else "*.json"
@@ -152,9 +150,3 @@ def print_report(data: dict, out=None) -> None:
     out.write(f"  cache: hit rate {rate}, {cache['saved_seconds']:.1f}s saved\n")
     out.flush()
 
-
-def write_json(path: Path, value: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name("." + path.name + f".{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)

@@ -23,8 +23,6 @@ import fcntl
 import importlib
 import itertools
 import json
-import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from . import graph
 from .config import BuildConfig
 from .errors import CorruptBlob, CudabuildError, MissingBlob
 from .explain import reason as explain_reason
+from .files import atomic_copy, atomic_write_text
 from .graph import Stage
 from .hashing import digest
 from .store import Store
@@ -108,7 +107,7 @@ class Runner:
         return stamp
 
     def _write_stamp(self, stage: Stage, stamp: dict) -> None:
-        _atomic_write_text(self.stamp_path(stage), json.dumps(stamp, indent=1, sort_keys=True))
+        atomic_write_text(self.stamp_path(stage), json.dumps(stamp, indent=1, sort_keys=True))
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -228,7 +227,7 @@ class Runner:
             record = {"stage": stage.id, "digest": stage_digest, "outputs": outputs, "finals": finals,
                       "value": result.value, "seconds": seconds}
             for name in finals:
-                _atomic_copy(result.files[name], self.config.build_dir / name)
+                atomic_copy(result.files[name], self.config.build_dir / name)
         self.store.put_record(key, record)
         self._write_stamp(stage, {
             "key": key, "inputs": inputs, "digest": stage_digest, "outputs": outputs, "finals": finals,
@@ -344,28 +343,8 @@ class Runner:
     def write_manifest(self) -> dict:
         """After every stage succeeded: manifest.json, the build log, and no stale failure reports."""
         manifest = self.manifest()
-        _atomic_write_text(self.config.build_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=False))
+        atomic_write_text(self.config.build_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=False))
         for method in manifest["verify"]:  # each verified now: an earlier failure's report is history
             (self.config.build_dir / f"verify-{method}.failed.json").unlink(missing_ok=True)
         self.store.record_build(manifest)
         return manifest
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _atomic_copy(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix="." + dest.name + ".")
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -17,10 +17,10 @@ pin rebuilds. No torch here.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .files import atomic_write_text
 from .hashing import digest
 
 TUNING_SPECS = ("max_autotune", "autotune_pointwise", "autotune_at_compile_time")
@@ -89,7 +89,5 @@ def write_pins(project: Path, model: str, target: str, entries: Mapping[str, dic
     pins = read_pins(project, model)
     pins.setdefault(target, {}).update(entries)
     path = pin_path(project, model)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(pins, indent=1, sort_keys=True) + "\n")
     return path

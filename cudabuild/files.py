@@ -1,0 +1,40 @@
+"""Writing files so that a reader (another build, a kill mid-write) sees the old content or the
+new, never part of it: write a temporary file beside the destination, then rename it over."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[str]:
+    """A temporary file beside `path`: renamed over it when the block ends, deleted on error."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write(f)` into a temporary file beside `path`, then put it in place."""
+    with _replacing(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_copy(src: Path, dest: Path) -> None:
+    with _replacing(dest) as tmp:
+        shutil.copyfile(src, tmp)  # sendfile where it can: build outputs run to gigabytes
