@@ -43,7 +43,7 @@ class TensorSig:
 class Signature:
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
-    ranges: dict[str, tuple[int, int]]  # symbol -> (min, max)
+    ranges: dict[sympy.Symbol, tuple[int, int]]  # each symbol of the dims -> (min, max)
 
 
 _RANGE = re.compile(r"^(\w+):VR\[(-?\d+), (-?\d+)\]$")
@@ -78,13 +78,13 @@ def _tensor(meta: Any, what: str, symbols: dict[str, sympy.Symbol]) -> TensorSig
 
 def signature(summary: dict) -> Signature:
     """The user inputs and outputs of an exported program, from its graph summary."""
-    ranges = {}
+    ranges, symbols = {}, {}
     for text in summary["ranges"]:
         match = _RANGE.match(text)
         if not match:
             raise Unsupported(f"range {text!r}")
-        ranges[match.group(1)] = (int(match.group(2)), int(match.group(3)))
-    symbols = {name: sympy.Symbol(name, integer=True, positive=True) for name in ranges}
+        symbols[match.group(1)] = symbol = sympy.Symbol(match.group(1), integer=True, positive=True)
+        ranges[symbol] = (int(match.group(2)), int(match.group(3)))
     nodes = [json.loads(line) for line in summary["nodes"]]
     placeholders = [i for i, node in enumerate(nodes) if node[0] == "placeholder"]
     if len(placeholders) != len(summary["inputs"]) or nodes[-1][0] != "output":
@@ -158,11 +158,11 @@ def stand_in_program(summary: dict):
     sig = signature(summary)
     if not sig.inputs or not sig.outputs:
         raise Unsupported("no user inputs or no user outputs")
-    symbols = {name: sympy.Symbol(name, integer=True, positive=True) for name in sig.ranges}
-    dims = {symbols[name]: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in sig.ranges.items()}
+    dims = {symbol: torch.export.Dim(symbol.name, min=lo, max=hi) for symbol, (lo, hi) in sig.ranges.items()}
     # Distinct example sizes for distinct symbols, away from 0 and 1, so export neither merges
     # two symbols nor specialises one.
-    hints = {symbols[name]: min(max(lo, 2) + k, hi) for k, (name, (lo, hi)) in enumerate(sorted(sig.ranges.items()))}
+    ordered = sorted(sig.ranges.items(), key=lambda item: item[0].name)
+    hints = {symbol: min(max(lo, 2) + k, hi) for k, (symbol, (lo, hi)) in enumerate(ordered)}
     where: dict[sympy.Symbol, tuple[int, int]] = {}
     examples, dynamic = [], []
     for i, tensor in enumerate(sig.inputs):
