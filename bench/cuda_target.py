@@ -9,7 +9,8 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked
-  method      a one-method spec change (decode.max_autotune flipped): only decode's compile reruns
+  method      a one-method spec change (decode.low_memory_mode flipped): only decode's compile,
+              the package and decode's verify rerun
   lowmem      low_memory_mode=ON (peak GPU memory during compile vs cold's)
   cold2       a second cold build in a fresh cache dir: are .pte/.ptd byte-identical to cold's?
   stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache,
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 90, "noop": 5, "replay": 60, "method": 50, "lowmem": 70, "cold2": 90, "stock": 80, "stockwarm": 60}
+ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "stock": 100, "stockwarm": 60}  # H200, tiny_lm
 
 
 def sha(path: Path) -> str | None:
@@ -118,8 +119,8 @@ def main() -> None:
         elif case == "replay":
             run(case, main_project, doit + ["emulate_precision_casts=OFF"], cache)
         elif case == "method":
-            flipped = "OFF" if specs_of(main_project, "decode").get("max_autotune") == "ON" else "ON"
-            run(case, main_project, doit + [f"decode.max_autotune={flipped}"], cache)
+            flipped = "OFF" if specs_of(main_project, "decode").get("low_memory_mode") == "ON" else "ON"
+            run(case, main_project, doit + [f"decode.low_memory_mode={flipped}"], cache)
         elif case == "lowmem":
             run(case, main_project, doit + ["low_memory_mode=ON"], cache)
         elif case == "cold2":

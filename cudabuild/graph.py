@@ -21,7 +21,7 @@ from .config import BuildConfig
 from .specs import specs_for_stage
 from .tuning import pinned_digest
 
-STAGE_VERSIONS = {"probe": 1, "export": 2, "edge": 2, "compile": 1, "package": 2, "verify": 1}
+STAGE_VERSIONS = {"probe": 1, "export": 2, "edge": 3, "compile": 1, "package": 3, "verify": 1}
 KINDS = tuple(STAGE_VERSIONS)
 
 

@@ -108,6 +108,11 @@ def _target_rules(specs: Mapping[str, str], target: str, method: str) -> list[st
         found.append(f"triton_kernel_mode=ON needs target=cuda (method {method}): ExecuTorch's Triton kernels take CUDA tensors only")
     if target == "cpu" and specs.get("platform") == "windows":
         found.append(f"platform=windows needs target=cuda (method {method})")
+    if target == "cuda" and specs.get("max_autotune") == "OFF":
+        # Without autotuning inductor has no Triton choice for a GEMM or a convolution and calls
+        # ATen's (mm_out, bmm_out, convolution: measured on the H200), which the runtime lacks.
+        found.append(f"max_autotune=OFF is not supported on target=cuda (method {method}): inductor would call ATen "
+                     "GEMM and convolution kernels, which ExecuTorch's CUDA runtime does not provide")
     if "shim_library_path" in specs and specs.get("platform") != "windows":
         found.append(f"shim_library_path is for platform=windows only (method {method})")
     return found

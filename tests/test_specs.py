@@ -51,6 +51,16 @@ def test_shim_library_path_only_for_windows():
     assert resolve("cuda", overrides={"platform": "windows", "shim_library_path": "/x"})["decode"]["platform"] == "windows"
 
 
+def test_max_autotune_off_is_refused_on_cuda_for_the_method_that_asks():
+    # Measured on the H200: without autotuning the compile calls ATen's mm_out, bmm_out and
+    # convolution, none of which ExecuTorch's CUDA runtime provides.
+    with pytest.raises(InvalidSpec) as err:
+        resolve("cuda", overrides={"decode.max_autotune": "off"})
+    assert str(err.value) == ("max_autotune=OFF is not supported on target=cuda (method decode): inductor would call "
+                              "ATen GEMM and convolution kernels, which ExecuTorch's CUDA runtime does not provide")
+    assert resolve("cpu", overrides={"decode.max_autotune": "off"})["decode"]["max_autotune"] == "OFF"
+
+
 def _config(specs):
     description = {"methods": METHODS, "sources": {"recipes/m.py": "a" * 64}, "options": {}, "specs": {}, "method_specs": {}}
     from pathlib import Path

@@ -1,15 +1,17 @@
 """edge: ExecuTorch's edge lowering and the CUDA backend's graph passes, as a stored program.
 
 The program handed to the AOTI backend is captured from a real `to_edge_transform_and_lower`
-(see cudabuild.delegate), then the backend's device-independent passes run in the reference's
-order: view_copy -> view, int64 floordiv -> float, Triton op replacement (triton_kernel_mode=ON),
-conv1d -> conv2d. The one device-dependent pass (cond predicate to CPU) runs in compile, after
-the move to the device, where it means something.
+(see cudabuild.delegate), its user inputs are put in the method's order (the partitioner's order
+is an accident of its topological sort: cudabuild.calling_convention), then the backend's
+device-independent passes run in the reference's order: view_copy -> view, int64 floordiv ->
+float, Triton op replacement (triton_kernel_mode=ON), conv1d -> conv2d. The one device-dependent
+pass (cond predicate to CPU) runs in compile, after the move to the device, where it means
+something.
 """
 
 from __future__ import annotations
 
-from .. import delegate
+from .. import calling_convention, delegate
 from ..errors import CompileFailed, one_line
 from ..programs import graph_digest, graph_summary, load_program, save_program, write_summary
 from ..runner import StageResult
@@ -37,7 +39,7 @@ def run(ctx) -> StageResult:
     ep = load_program(lambda name: ctx.blob("export", method, name))
     try:
         with delegate.capture() as captured:
-            to_edge_transform_and_lower(
+            lowered = to_edge_transform_and_lower(
                 {method: ep},
                 partitioner={method: [delegate.partitioner(method, {}, ctx.config.target)]},
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
@@ -47,8 +49,26 @@ def run(ctx) -> StageResult:
     programs = captured.get(method, [])
     if len(programs) != 1:
         raise CompileFailed(f"method {method}: expected the whole graph in one AOTI partition, got {len(programs)}")
+    positions = calling_convention.delegate_input_positions(lowered.exported_program(method), method)
     edge = backend_passes(programs[0], ctx.config.specs[method])
+    calling_convention.reorder_user_inputs(edge, positions)
+    _check_inputs_match(ep, edge, sorted(positions), method)
     summary = graph_summary(edge)
     files = save_program(edge, ctx.workdir)
     files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
     return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])})
+
+
+def _check_inputs_match(exported, edge, read: list[int], method: str) -> None:
+    """The edge program must take the exported method's inputs (those it reads), in the method's
+    order: the compiled .so is called that way by verify, the package's delegate call and the runtime."""
+    def user_inputs(ep):  # dtype and static dims of each (symbol names differ between programs)
+        names = set(ep.graph_signature.user_inputs)
+        vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder" and n.name in names]
+        return [(str(v.dtype), [d if isinstance(d, int) else "dynamic" for d in v.shape]) if hasattr(v, "shape")
+                else type(v).__name__ for v in vals]
+
+    everything = user_inputs(exported)
+    want, got = [everything[i] for i in read], user_inputs(edge)
+    if want != got:
+        raise CompileFailed(f"method {method}: the edge program takes inputs {got}, the method {want}")

@@ -3,7 +3,9 @@
 Each method is lowered through ExecuTorch as a stand-in with its calling convention (see
 cudabuild.standin: no weights loaded, no edge passes over the model; the same bytes), or, where a
 stand-in cannot reproduce it, as its exported program. cudabuild's backend in emit mode hands back
-the stored .so and weights blob per method, and the delegates are renamed to the runtime's id.
+the stored .so and weights blob per method, each delegate call is made to pass the method's inputs
+in the method's order, the order the .so was compiled for (cudabuild.calling_convention), and the
+delegates are renamed to the runtime's id.
 Weights blobs shared by several methods are stored once in the .ptd (named data is keyed by
 content).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import delegate, standin
+from .. import calling_convention, delegate, standin
 from ..errors import CompileFailed, one_line
 from ..programs import load_program
 from ..runner import StageResult
@@ -62,6 +64,7 @@ def write_package(programs: dict, compiled: dict, specs: dict, target: str, meta
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
                 constant_methods=metadata or None,
             )
+        calling_convention.call_delegates_in_method_order(edge, methods)
         renamed = delegate.rename_delegates(edge, methods, target)
         program = edge.to_executorch()
     except Exception as e:

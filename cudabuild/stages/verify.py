@@ -12,7 +12,7 @@ import ctypes
 import json
 import os
 
-from ..errors import VerifyFailed
+from ..errors import VerifyFailed, one_line
 from ..programs import load_example_inputs, load_program
 from ..runner import StageResult
 
@@ -131,7 +131,7 @@ def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, d
     try:
         edge = load_program(lambda name: ctx.blob("edge", method, name))
     except Exception as e:  # a diagnostic only: never hide the verify failure behind it
-        return f"the edge program could not be loaded to locate the fault ({type(e).__name__})"
+        return f"the edge program could not be loaded to locate the fault ({one_line(e)})"
     # Compare constants before the eager run: it writes into the program's KV caches (on the CPU
     # the module shares the program's tensors).
     try:
@@ -142,7 +142,7 @@ def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, d
         got = eager_outputs(edge, inputs, device)
         diff = (got[index].float() - expected[index].float()).abs().max().item()
     except Exception as e:
-        return f"the edge program could not be run eagerly to locate the fault ({type(e).__name__})"
+        return f"the edge program could not be run eagerly to locate the fault ({one_line(e)})"
     if diff > 1e-4 * max(1.0, expected[index].abs().max().item()):
         return f"the edge program already differs by {diff:.3g}: the fault is before the compile (edge lowering or its serialization)"
     if isinstance(constants, Exception):

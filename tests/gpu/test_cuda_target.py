@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from _faults import one_error_line
 from conftest import assert_ok
 
 torch = pytest.importorskip("torch")
@@ -43,3 +44,16 @@ def test_low_memory_mode_builds_verifies_and_lowers_peak_memory(cuda_build):
 def test_noop_after_cuda_build_runs_nothing(cuda_build):
     assert_ok(cuda_build.export("model=tiny_lm", "target=cuda"))
     assert set(cuda_build.statuses("tiny_lm", "cuda").values()) <= {"cached", "restored"}
+
+
+def test_a_forced_mismatch_on_cuda_is_located_in_the_compiled_code(cuda_build, tmp_path):
+    # A tolerance no compile meets makes a real mismatch; on cuda the locator must run the edge
+    # program eagerly on the device and compare the blob's constants, then name the stage at fault.
+    project = cuda_build.copy(tmp_path)
+    recipe = project.root / "recipes" / "tiny_lm.py"
+    source = recipe.read_text()
+    recipe.write_text(source.replace("    constant_methods=metadata,\n)", "    constant_methods=metadata,\n    tolerances={'float32': 1e-12},\n)"))
+    line = one_error_line(project.export("model=tiny_lm", "target=cuda"))
+    print(line)  # for the GPU run's log
+    assert "the edge program matches eager" in line, line
+    assert "the weights blob loads all 25 constants exactly: the fault is in the compiled code" in line, line
