@@ -17,7 +17,8 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
               inductor's caches empty
   stockwarm   the same again, inductor's caches warm (what a re-export costs today)
 Cases are skipped once the time budget would be exceeded. Results are printed and written to
-OUT/cuda_target.json.
+OUT/cuda_target.json; each case's timeline (OUT/<case>-trace.json) and the logs of the stages it
+ran (OUT/logs-<case>/) come back beside it.
 """
 
 from __future__ import annotations
@@ -79,10 +80,17 @@ def main() -> None:
         env.update(extra_env or {})
         for stale in (cwd / "build" / args.model / args.target).glob("verify-*.failed.json"):
             stale.unlink()  # an earlier case's: only this run's failures are reported for it
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
         entry = {"seconds": round(time.monotonic() - t0, 2), "rc": done.returncode}
         (out / f"{name}.log").write_text(done.stdout[-20000:] + "\n--- stderr ---\n" + done.stderr[-20000:])
+        trace = cwd / "build" / args.model / args.target / "trace.json"
+        if trace.exists() and trace.stat().st_mtime >= t0_wall:  # this case's timeline (Perfetto opens it)
+            shutil.copy(trace, out / f"{name}-trace.json")
+        for log in (cwd / "build" / args.model / args.target / "logs").glob("*.log"):
+            if log.stat().st_mtime >= t0_wall:  # the stages this case ran: third-party output, AUTOTUNE tables
+                (out / f"logs-{name}").mkdir(exist_ok=True)
+                shutil.copy(log, out / f"logs-{name}" / log.name)
         for failed in (cwd / "build" / args.model / args.target).glob("verify-*.failed.json"):
             shutil.copy(failed, out / f"{name}-{failed.name}")  # where a mismatch arose, with its numbers
             entry.setdefault("verify_failed", {})[failed.name] = json.loads(failed.read_text()).get("fault")

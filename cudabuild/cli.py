@@ -1,6 +1,7 @@
 """The `cudabuild` command: say what a build would do and why, and look after the cache.
 
     cudabuild explain model=tiny_lm target=cpu decode.max_autotune=ON
+    cudabuild report model=tiny_lm --last 5 --svg times.svg
     cudabuild cache stats --last 10
     cudabuild cache verify
     cudabuild cache gc --max-size 2G --max-age 30
@@ -8,7 +9,7 @@
 Building stays `doit export ...` (dodo.py). The project is $CUDABUILD_PROJECT or the current
 directory, the cache $CUDABUILD_CACHE_DIR (default ~/.cache/cudabuild). A user error is one line
 on stderr, `cudabuild: error: ...`, exit status 2; CUDABUILD_VERBOSE=1 adds the traceback. This
-module parses argv and prints; the work is in explain.py and cache_admin.py. No torch here.
+module parses argv and prints; the work is in explain.py, report.py and cache_admin.py. No torch here.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from .errors import CudabuildError, one_line
 # (command, one line): what `cudabuild --help` lists.
 COMMANDS = (
     ("explain", "for each stage of a build: up to date, restorable from cache, or why it will run; builds nothing"),
+    ("report", "the last builds' seconds and status per stage, as a table (and an SVG chart with --svg)"),
     ("cache stats", "entries and bytes in the cache; hits, restores, misses and time saved over the last builds"),
     ("cache verify", "re-hash every blob; drop corrupt ones and the records that named them"),
     ("cache gc", "evict least-recently-used entries that build/ does not reference, down to --max-size"),
 )
+
+
+ABOUT = dict(COMMANDS)
 
 
 class UsageError(CudabuildError):
@@ -49,20 +54,28 @@ def _parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
 
     explain = commands.add_parser(
-        "explain", prog="cudabuild explain", description=COMMANDS[0][1] + ".",
+        "explain", prog="cudabuild explain", description=ABOUT["explain"] + ".",
         usage="cudabuild explain model=NAME [target=auto|cpu|cuda] [OPTION=V] [SPEC=V] [METHOD.SPEC=V]",
     )
     explain.add_argument("settings", nargs="*", metavar="NAME=VALUE", help="as for doit export")
 
+    report = commands.add_parser(
+        "report", prog="cudabuild report", description=ABOUT["report"] + ", from the cache's build log.",
+        usage="cudabuild report model=NAME [target=cpu|cuda] [--last N] [--svg PATH]",
+    )
+    report.add_argument("settings", nargs="*", metavar="NAME=VALUE", help="model=NAME, and target=T to pick one target")
+    report.add_argument("--last", type=_count, default=5, metavar="N", help="the last N builds (default 5)")
+    report.add_argument("--svg", metavar="PATH", help="also write a chart of them to PATH")
+
     cache = commands.add_parser("cache", prog="cudabuild cache", usage="cudabuild cache {stats,verify,gc} ...",
                                 description="cache stats | verify | gc")
     cache_commands = cache.add_subparsers(dest="cache_command", metavar="{stats,verify,gc}")
-    stats = cache_commands.add_parser("stats", prog="cudabuild cache stats", description=COMMANDS[1][1] + ".")
+    stats = cache_commands.add_parser("stats", prog="cudabuild cache stats", description=ABOUT["cache stats"] + ".")
     stats.add_argument("--last", type=_count, metavar="N", help="only the last N builds (default: all logged)")
     cache_commands.add_parser("verify", prog="cudabuild cache verify",
-                              description=COMMANDS[2][1] + ". Exit status 1 when something was dropped.")
+                              description=ABOUT["cache verify"] + ". Exit status 1 when something was dropped.")
     gc = cache_commands.add_parser(
-        "gc", prog="cudabuild cache gc", description=COMMANDS[3][1] + " and/or --max-age. Blobs named by a stamp "
+        "gc", prog="cudabuild cache gc", description=ABOUT["cache gc"] + " and/or --max-age. Blobs named by a stamp "
         "under build/*/*/.stamps/ and those stamps' records are never evicted. Also deletes files that killed "
         "cache writes left without an entry (untouched for an hour).",
     )
@@ -88,12 +101,12 @@ def _days(text: str) -> float:
     return days
 
 
-def _settings(pairs: list[str]) -> dict[str, str]:
+def _settings(pairs: list[str], command: str = "explain") -> dict[str, str]:
     out = {}
     for pair in pairs:
         name, eq, value = pair.partition("=")
         if not eq or not name:
-            raise UsageError(f"explain takes NAME=VALUE settings as doit export does (model=tiny_lm target=cpu), got '{pair}'")
+            raise UsageError(f"{command} takes NAME=VALUE settings as doit export does (model=tiny_lm target=cpu), got '{pair}'")
         out[name] = value
     return out
 
@@ -120,6 +133,29 @@ def cmd_explain(args) -> int:
     print(f"{config.model} / {config.target}")
     for f in lines:
         print("  " + f.line(width))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from . import report
+    from .files import atomic_write_text
+    from .store import Store
+
+    settings = _settings(args.settings, "report")
+    if set(settings) - {"model", "target"} or "model" not in settings:
+        raise UsageError(f"report takes model=NAME and optionally target=T, got '{' '.join(args.settings)}'")
+    store = Store()
+    try:
+        builds = report.history(store.build_log(), settings["model"], settings.get("target"), args.last)
+    finally:
+        store.close()
+    if not builds:
+        where = settings["model"] + (f"/{settings['target']}" if "target" in settings else "")
+        raise UsageError(f"no logged builds of {where} in the cache {store.root}")
+    print("\n".join(report.table(builds)))
+    if args.svg:
+        atomic_write_text(Path(args.svg), report.svg(builds, f"cudabuild: {settings['model']}, last {len(builds)} builds"))
+        print(f"chart written to {args.svg}")
     return 0
 
 
@@ -157,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             names = ", ".join(name for name, _ in COMMANDS)
             raise UsageError(f"no command given; commands: {names} (see cudabuild --help)")
         args = _parser().parse_args(argv)
-        return cmd_explain(args) if args.command == "explain" else cmd_cache(args)
+        return {"explain": cmd_explain, "report": cmd_report}.get(args.command, cmd_cache)(args)
     except SystemExit as e:  # --help, which argparse ends with exit(0)
         return e.code if isinstance(e.code, int) else 0
     except CudabuildError as e:

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from . import nightly
+from . import console, nightly, reporter, trace
 from .config import load_config
 from .errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, one_line
 from .files import atomic_write_text
 from .graph import dependencies, plan
 from .registry import list_models
-from .reporter import CudabuildReporter, print_summary
+from .reporter import CudabuildReporter, failure_lines, print_summary
 from .runner import Runner
 from .store import Store
 
@@ -94,18 +94,32 @@ def make_runner(cli: dict[str, str]) -> Runner:
     config = load_config(project_root(), cli, store)
     if config.target_note:
         print(config.target_note, file=sys.stderr)
-    return Runner(config, store, RUN_ID)
+    return Runner(config, store, RUN_ID, capture_output=not console.streaming())
 
 
 def _stage_action(runner: Runner, stage):
     def action():
         try:
             runner.execute(stage)
-        except CudabuildError as e:
-            return TaskFailed(one_line(e))
+        except CudabuildError as e:  # one line, then where the stage's own output went
+            # No manifest follows a failure: the timeline up to it is written now.
+            runner.recorder.merge(trace.process_start_us(), trace.now_us(), failed=stage.id)
+            return TaskFailed(one_line(e) + failure_lines(runner.logs.get(stage.id)))
         return True
 
     return action
+
+
+# task name -> (runner, stage): what the reporter asks how long a stage took last time.
+_STAGE_OF_TASK: dict = {}
+
+
+def _expected_seconds(task_name: str):
+    runner, stage = _STAGE_OF_TASK.get(task_name, (None, None))
+    return runner.expected_seconds(stage) if runner is not None else None
+
+
+reporter.set_expectations(_expected_seconds)
 
 
 def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
@@ -113,6 +127,7 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
     config = runner.config
     stages = plan(config)
     for stage in stages:
+        _STAGE_OF_TASK[f"{group}:{prefix}{stage.id}"] = (runner, stage)
         yield {
             "name": prefix + stage.id,
             "doc": f"{stage.kind} {stage.method or ''}".strip(),
@@ -129,7 +144,9 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
             except CudabuildError as e:
                 return TaskFailed(one_line(e))
             print(f"autotune decisions pinned in {path.relative_to(runner.config.project)}")
-        manifest = runner.write_manifest()
+        with runner.recorder.span("manifest", "build"):
+            manifest = runner.write_manifest()
+        runner.recorder.merge(trace.process_start_us(), trace.now_us(), model=manifest["model"], target=manifest["target"])
         print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir)
         return True
 
@@ -195,7 +212,8 @@ def task_nightly():
             if config.target_note and config.target_note not in notes:
                 notes.add(config.target_note)
                 print(config.target_note, file=sys.stderr)
-            builds.setdefault(f"{config.model}/{config.target}", (Runner(config, store, RUN_ID), None))
+            runner = Runner(config, store, RUN_ID, capture_output=not console.streaming())
+            builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 
     for build, (runner, _) in builds.items():
         if runner is None:

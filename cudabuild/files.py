@@ -1,5 +1,9 @@
 """Writing files so that a reader (another build, a kill mid-write) sees the old content or the
-new, never part of it: write a temporary file beside the destination, then rename it over."""
+new, never part of it: write a temporary file beside the destination, then rename it over.
+
+The file gets the mode a plain `open(path, "w")` would give it (0666 less the umask, typically
+0644), not mkstemp's private 0600: build outputs and manifests are read by other people and tools.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,21 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 
+def _process_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_process_umask()
+
+
 @contextlib.contextmanager
 def _replacing(path: Path) -> Iterator[str]:
     """A temporary file beside `path`: renamed over it when the block ends, deleted on error."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, FILE_MODE)
     os.close(fd)
     try:
         yield tmp

@@ -82,7 +82,7 @@ def contained(journal: Journal, build: str, step: str, action: Callable, status:
         entry = {"started": started, "finished": time.time()}
         if error:
             print(f"cudabuild: error: [{build} {step}] {error}", file=sys.stderr, flush=True)
-            entry.update(status="failed", error=error)
+            entry.update(status="failed", error=error.splitlines()[0])  # the log's path and tail stay on the console
         else:
             entry.update(status=status())
         journal.write(build, step, entry)

@@ -28,13 +28,13 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
 from typing import BinaryIO, Callable, Iterable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
+from . import console
 from .errors import InvalidRemote, one_line
 from .hashing import canonical_json
 
@@ -62,7 +62,7 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 
 
 def _warn_stderr(message: str) -> None:
-    print(f"cudabuild: warning: {message}", file=sys.stderr, flush=True)
+    console.warn(message)  # the terminal's stderr, also while a stage's output goes to its log
 
 
 def redact(url: str) -> str:

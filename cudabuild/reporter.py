@@ -1,6 +1,13 @@
-"""What `doit export` prints: a line when a stage starts, elapsed time while a long one runs, one
-line per failure, and a one-screen summary at the end (per stage ran/cached/restored/remote and
-seconds, total time, time saved by the cache).
+"""What `doit export` prints: progress while stages run, one line per failure (with the stage's log),
+and a one-screen summary at the end (per stage ran/cached/restored/remote and seconds, total time,
+time saved by the cache).
+
+Progress has two forms. On a terminal (and not under CI=true), rich draws one live line per
+running stage with its elapsed time and, where known, how long its last run took; each finished
+stage leaves one line above them. Otherwise, plain lines: `> stage`, `still running, Ns elapsed`
+every CUDABUILD_PROGRESS_SECONDS, `done in`. Under `doit -n N` every worker's events reach this one
+reporter, so everything here is keyed by task. Everything goes to the terminal's own streams
+(cudabuild.console), never into a stage's log.
 """
 
 from __future__ import annotations
@@ -10,15 +17,102 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 
+from . import console
+
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
+
+# task name -> seconds its stage took last time, or None; set by cudabuild.doit_tasks.
+_expected: Callable[[str], Optional[float]] = lambda name: None
+
+
+def set_expectations(lookup: Callable[[str], Optional[float]]) -> None:
+    global _expected
+    _expected = lookup
+
+
+def _stage_id(task_name: str) -> str:
+    return task_name.split(":", 1)[-1]  # export:compile.decode, nightly:tiny_lm/cpu:compile.decode
 
 
 def _label(task_name: str) -> str:
-    return task_name.split(":", 1)[-1]
+    return _stage_id(task_name).replace(".", " ")
+
+
+def live_terminal(stream=None, environ=os.environ) -> bool:
+    stream = stream or console.out()
+    return bool(getattr(stream, "isatty", lambda: False)()) and environ.get("CI", "").lower() not in ("1", "true")
+
+
+class PlainProgress:
+    """A line when a stage starts, a line every TICK_SECONDS while it runs, a line when it ends."""
+
+    def __init__(self, stream, tick: float = TICK_SECONDS):
+        self.stream, self.tick = stream, tick
+        self._running: dict[str, tuple[float, threading.Event]] = {}
+
+    def start(self, name: str, expected: Optional[float]) -> None:
+        self.stream.write(f"> {_label(name)}\n")
+        started, stop = time.monotonic(), threading.Event()
+        self._running[name] = (started, stop)
+        last = f" (its last run took {expected:.0f}s)" if expected else ""
+
+        def tick():
+            while not stop.wait(self.tick):
+                self.stream.write(f"  {_stage_id(name)} still running, {time.monotonic() - started:.0f}s elapsed{last}\n")
+
+        threading.Thread(target=tick, daemon=True).start()
+
+    def finish(self, name: str, ok: bool) -> None:
+        started, stop = self._running.pop(name, (None, None))
+        if stop is None:
+            return
+        stop.set()
+        if ok:
+            self.stream.write(f"  {_stage_id(name)} done in {time.monotonic() - started:.1f}s\n")
+
+    def close(self) -> None:
+        for name in list(self._running):
+            self.finish(name, ok=False)
+
+
+class LiveProgress:
+    """rich's live display: a spinner line per running stage, a line per finished one."""
+
+    def __init__(self, stream):
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description:<20}"), TimeElapsedColumn(),
+            TextColumn("[dim]{task.fields[last]}"), console=Console(file=stream), transient=True,
+        )
+        self._tasks: dict[str, tuple[int, float]] = {}
+
+    def start(self, name: str, expected: Optional[float]) -> None:
+        if not self._tasks:
+            self._progress.start()
+        last = f"last run {expected:.0f}s" if expected else ""
+        self._tasks[name] = (self._progress.add_task(_label(name), total=None, last=last), time.monotonic())
+
+    def finish(self, name: str, ok: bool) -> None:
+        task, started = self._tasks.pop(name, (None, 0.0))
+        if task is None:
+            return
+        self._progress.remove_task(task)
+        mark = "[green]done[/green]" if ok else "[red]failed[/red]"
+        self._progress.console.print(f"  {_label(name):<20} {mark} in {time.monotonic() - started:.1f}s")
+        if not self._tasks:
+            self._progress.stop()
+
+    def close(self) -> None:
+        for name in list(self._tasks):
+            self.finish(name, ok=False)
+        self._progress.stop()
 
 
 class CudabuildReporter(ConsoleReporter):
@@ -26,69 +120,56 @@ class CudabuildReporter(ConsoleReporter):
 
     def __init__(self, outstream, options):
         super().__init__(outstream, options)
-        self._ticker = None
-        self._started = {}
+        if outstream in (sys.stdout, sys.__stdout__):  # doit's default: the terminal, also during stage logs
+            self.outstream = console.out()
+        self.progress = LiveProgress(self.outstream) if live_terminal(self.outstream) else PlainProgress(self.outstream)
 
     def write(self, text):
         self.outstream.write(text)
         self.outstream.flush()
 
     def execute_task(self, task):
-        label = _label(task.name)
-        if label.rpartition(":")[2] == "manifest" or not task.actions:
+        if task.name.rpartition(":")[2] == "manifest" or not task.actions:
             return
-        self._started[task.name] = time.monotonic()
-        self.write(f"> {label.replace('.', ' ')}\n")
-        self._start_ticker(task.name, label)
-
-    def _start_ticker(self, name, label):
-        self._stop_ticker()
-        stop = threading.Event()
-
-        def tick():
-            while not stop.wait(TICK_SECONDS):
-                elapsed = time.monotonic() - self._started.get(name, time.monotonic())
-                self.write(f"  {label} still running, {elapsed:.0f}s elapsed\n")
-
-        thread = threading.Thread(target=tick, daemon=True)
-        thread.start()
-        self._ticker = (stop, thread)
-
-    def _stop_ticker(self):
-        if self._ticker:
-            stop, thread = self._ticker
-            stop.set()
-            thread.join(timeout=1)
-            self._ticker = None
+        self.progress.start(task.name, _expected(task.name))
 
     def add_success(self, task):
-        self._stop_ticker()
-        start = self._started.pop(task.name, None)
-        if start is not None:
-            self.write(f"  {_label(task.name)} done in {time.monotonic() - start:.1f}s\n")
+        self.progress.finish(task.name, ok=True)
 
     def skip_uptodate(self, task):
         pass
 
     def add_failure(self, task, fail):
-        self._stop_ticker()
+        self.progress.finish(task.name, ok=False)
         self.failures.append({"task": task, "exception": fail})
         if isinstance(fail, TaskFailed):
             message = fail.message
         else:  # an unexpected exception: the last line of its traceback, all of it when verbose
             text = fail.get_msg().strip()
             message = text if os.environ.get("CUDABUILD_VERBOSE") else text.splitlines()[-1]
-        self.write(f"cudabuild: error: [{_label(task.name)}] {message.strip()}\n")
+        self.write(f"cudabuild: error: [{_stage_id(task.name)}] {message.strip()}\n")
 
     def complete_run(self):
-        self._stop_ticker()
+        self.progress.close()
         if self.runtime_errors:
             for msg in self.runtime_errors:
                 self.write(f"cudabuild: error: {msg.strip().splitlines()[-1]}\n")
 
 
+def failure_lines(log: Optional[Path], cwd: Optional[Path] = None) -> str:
+    """What follows a failed stage's error line: its log's path and the log's last lines that matter."""
+    if log is None or not log.exists():
+        return ""
+    try:
+        shown = log.relative_to(cwd or Path.cwd())
+    except ValueError:
+        shown = log
+    tail = console.lines_that_matter(log)
+    return f"\n  log: {shown}" + "".join(f"\n  | {line}" for line in tail)
+
+
 def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None) -> None:
-    out = out or sys.stdout
+    out = out or console.out()
     rows = manifest["stages"]
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "remote", "cached")}
     saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in rows if r["status"] != "ran")

@@ -23,13 +23,14 @@ import fcntl
 import importlib
 import itertools
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import graph
+from . import console, graph, trace
 from .config import BuildConfig
 from .errors import CorruptBlob, CudabuildError, MissingBlob
 from .explain import reason as explain_reason
@@ -59,7 +60,7 @@ class StageContext:
     key: str
     workdir: Path
     runner: "Runner"
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = console.note
 
     @property
     def store(self) -> Store:
@@ -81,9 +82,15 @@ class Runner:
     config: BuildConfig
     store: Store
     run_id: str
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = console.note
     statuses: dict = field(default_factory=dict)  # stage id -> status for this process
+    # Third-party output of a stage that runs goes to its log (cudabuild.console), unless streamed.
+    capture_output: bool = True
+    logs: dict = field(default_factory=dict)  # stage id -> the log this process's run of it wrote
     _fingerprint: Optional[dict] = None
+    _recorder: Optional[trace.Recorder] = None
+    _started_in: int = field(default_factory=os.getpid)
+    _startup_recorded: bool = False
 
     # -- stamps ---------------------------------------------------------------------------------
 
@@ -135,15 +142,67 @@ class Runner:
         return True
 
     def is_up_to_date(self, stage: Stage) -> bool:
+        self._record_startup()
+        start = trace.now_us()
         stamp = self.read_stamp(stage)
-        return bool(stamp) and stamp.get("key") == self.key(stage) and self.finals_intact(stamp)
+        key = self.key(stage)
+        fresh = bool(stamp) and stamp.get("key") == key and self.finals_intact(stamp)
+        args = {"status": "cached", "key": key} if fresh else {}
+        self.recorder.complete(stage.id, start, trace.now_us(), "stage", step="check", **args)
+        return fresh
+
+    # -- timeline and logs ---------------------------------------------------------------------
+
+    @property
+    def recorder(self) -> trace.Recorder:
+        if self._recorder is None:
+            self._recorder = trace.Recorder(self.config.build_dir, self.run_id)
+        return self._recorder
+
+    def _record_startup(self) -> None:
+        """The span from the process's start to its first stage: imports, configuration, planning."""
+        if not self._startup_recorded and os.getpid() == self._started_in:
+            self._startup_recorded = True
+            self.recorder.complete("startup", trace.process_start_us(), trace.now_us(), "build")
+
+    def expected_seconds(self, stage: Stage) -> Optional[float]:
+        """How long the stage's last run took, for progress: its stamp's, else the newest logged
+        build of this model and target that ran it."""
+        stamp = self.read_stamp(stage) or {}
+        seconds = stamp.get("seconds") if stamp.get("status") == "ran" else stamp.get("saved_seconds")
+        if seconds:
+            return float(seconds)
+        for entry in reversed(self.store.build_log(last=50)):
+            if (entry.get("model"), entry.get("target")) != (self.config.model, self.config.target):
+                continue
+            for row in entry.get("stages", []):
+                if (row.get("stage"), row.get("method"), row.get("status")) == (stage.kind, stage.method, "ran"):
+                    return float(row.get("seconds") or 0.0) or None
+        return None
+
+    def log_path(self, stage: Stage) -> Path:
+        return self.config.build_dir / "logs" / f"{stage.id}.log"
+
+    def _output_of(self, stage: Stage):
+        """Where the stage's third-party output goes while it runs: its log, or the console."""
+        if not self.capture_output:
+            return contextlib.nullcontext()
+        self.logs[stage.id] = self.log_path(stage)
+        return console.capture(self.logs[stage.id])
 
     # -- execution -----------------------------------------------------------------------------
 
     def execute(self, stage: Stage) -> str:
         """Bring one stage up to date; returns ran, cached, restored or remote."""
+        self._record_startup()
+        with self.recorder.span(stage.id, "stage", step="execute") as span:
+            span["status"] = status = self._execute(stage, span)
+        return status
+
+    def _execute(self, stage: Stage, span: dict) -> str:
         inputs = self.inputs(stage)
         key = digest(inputs)
+        span["key"] = key
         old = self.read_stamp(stage)
         if old and old.get("key") == key and self.finals_intact(old):
             return self._note(stage, "cached")
@@ -203,7 +262,7 @@ class Runner:
             for name in finals:
                 self.store.fetch(record["outputs"][name], self.config.build_dir / name)
         except (CorruptBlob, MissingBlob) as e:
-            self.log(f"warning: {e}")
+            console.warn(str(e))
             self.store.drop_record(key)
             return None
         status = "remote" if source == "remote" else "restored"
@@ -219,8 +278,10 @@ class Runner:
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
             ctx = StageContext(self.config, stage, inputs, key, Path(tmp), self, self.log)
-            result: StageResult = module.run(ctx)
-            outputs = {name: self.store.put_file(path) for name, path in sorted(result.files.items())}
+            with trace.phase("run"), self._output_of(stage):
+                result: StageResult = module.run(ctx)
+            with trace.phase("store writes"):
+                outputs = {name: self.store.put_file(path) for name, path in sorted(result.files.items())}
             seconds = round(time.monotonic() - start, 3)
             stage_digest = result.digest or digest(outputs)
             finals = sorted(result.files) if graph.final_outputs(stage) else []
@@ -233,7 +294,9 @@ class Runner:
             "key": key, "inputs": inputs, "digest": stage_digest, "outputs": outputs, "finals": finals,
             "value": result.value, "status": "ran", "seconds": seconds, "run": self.run_id, "reason": why,
         })
-        self.store.push(key, record)  # write-back to the shared tier, if any: blobs, then the record
+        if self.store.remote is not None:
+            with trace.phase("upload"):
+                self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
         self.store.enforce_limit(self.config.project)
 
     @contextlib.contextmanager
@@ -274,7 +337,7 @@ class Runner:
         try:
             return take(self._sha_of(stage, name))
         except (CorruptBlob, MissingBlob) as e:
-            self.log(f"warning: {e}")
+            console.warn(str(e))
             self._rebuild(stage)
             return take(self._sha_of(stage, name))
 

@@ -33,6 +33,7 @@ from typing import Iterator, NamedTuple, Optional
 import diskcache
 
 from .errors import CacheUnwritable, CorruptBlob, MissingBlob
+from .files import atomic_write
 from .hashing import CHUNK, FileHasher, sha256_file
 
 # An unnamed value file this old is a killed write's leftover, not one about to be committed.
@@ -151,17 +152,13 @@ class Store:
         """Copy a blob to `dest` atomically, verifying its hash; a corrupt blob is dropped."""
         self._ensure_local(sha)
         dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix="." + dest.name + ".")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                if self._hash_blob(sha, out) != sha:
-                    self.drop_blob(sha)
-                    raise CorruptBlob(f"cached blob {sha[:12]} for {dest.name} failed its sha256 check; dropped, it will be rebuilt")
-            os.replace(tmp, dest)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+
+        def write(out):
+            if self._hash_blob(sha, out) != sha:
+                self.drop_blob(sha)
+                raise CorruptBlob(f"cached blob {sha[:12]} for {dest.name} failed its sha256 check; dropped, it will be rebuilt")
+
+        atomic_write(dest, write)  # a corrupt copy never replaces what dest held
         return dest
 
     def read_bytes(self, sha: str) -> bytes:

@@ -109,9 +109,16 @@ def tiny_build(tmp_path_factory) -> Project:
     """The session's one real `doit export model=tiny_lm target=cpu` (read-only: copy it to change it)."""
     if "tiny" not in _SESSION:
         proj = new_project(tmp_path_factory.mktemp("built_tiny"))
-        assert_ok(proj.export("model=tiny_lm", "target=cpu"))
-        _SESSION["tiny"] = proj
+        result = proj.export("model=tiny_lm", "target=cpu")
+        assert_ok(result)
+        _SESSION["tiny"], _SESSION["tiny_output"] = proj, result
     return _SESSION["tiny"]
+
+
+def tiny_build_output(tmp_path_factory) -> subprocess.CompletedProcess:
+    """What the session's one real build printed (stdout and stderr)."""
+    tiny_build(tmp_path_factory)
+    return _SESSION["tiny_output"]
 
 
 @pytest.fixture(scope="session")

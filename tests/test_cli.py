@@ -38,7 +38,7 @@ def test_console_script_runs_the_same_main(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "no command given; commands: explain, cache stats, cache verify, cache gc"),
+    ([], "no command given; commands: explain, report, cache stats, cache verify, cache gc"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["cache"], "cache needs a command: stats, verify or gc"),
     (["cache", "gc"], "cache gc needs --max-size SIZE or --max-age DAYS"),

@@ -281,7 +281,8 @@ def test_damaged_blob_is_detected_dropped_and_rebuilt(built_tiny, tiny_copy, dam
     assert_ok(result)
     assert tiny_copy.statuses()[producer] == "ran"
     if damage in ("flipped-byte", "truncated"):
-        assert f"cached blob {blob[:12]}" in result.stdout and "failed its sha256 check" in result.stdout
+        # A warning on stderr, where cudabuild's warnings go (the console, not the stage's log).
+        assert f"cudabuild: warning: cached blob {blob[:12]}" in result.stderr and "failed its sha256 check" in result.stderr
     assert_same_outputs(tiny_copy, built_tiny)
     assert_cache_verifies(tiny_copy)
 

@@ -24,6 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .. import inductor_phases
 from ..aoti_options import aoti_options, with_custom_shims
 from ..cuda_env import scoped_environ
 from ..errors import CompileFailed, one_line
@@ -33,6 +34,7 @@ from ..programs import load_program
 from ..remote import inductor_environment
 from ..runner import StageResult
 from ..toolchain import inductor_root
+from ..trace import phase
 from .. import tuning
 
 def inductor_dir_for(key: str) -> Path:
@@ -86,7 +88,8 @@ def _compile(ctx) -> StageResult:
     toolchain = ctx.upstream("probe")["value"]
     low_memory = specs.get("low_memory_mode") == "ON"
     device = "cuda" if target == "cuda" else "cpu"
-    ep = load_program(lambda name: ctx.blob("edge", method, name))
+    with phase("load"):
+        ep = load_program(lambda name: ctx.blob("edge", method, name))
     cache_dir = inductor_dir_for(ctx.key)
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
@@ -117,6 +120,7 @@ def _compile(ctx) -> StageResult:
             scope.enter_context(sdpa_kernel([SDPBackend.MATH]))
             if low_memory:
                 scope.enter_context(lowmem.compile_time_cpu_clones(torch.device(device)))
+            scope.enter_context(inductor_phases.traced())
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
             except Exception as e:

@@ -15,6 +15,7 @@ from .. import calling_convention, delegate
 from ..errors import CompileFailed, one_line
 from ..programs import graph_digest, graph_summary, load_program, save_program, write_summary
 from ..runner import StageResult
+from ..trace import phase
 
 
 def backend_passes(ep, specs: dict):
@@ -36,7 +37,8 @@ def run(ctx) -> StageResult:
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     method = ctx.stage.method
-    ep = load_program(lambda name: ctx.blob("export", method, name))
+    with phase("load"):
+        ep = load_program(lambda name: ctx.blob("export", method, name))
     try:
         with delegate.capture() as captured:
             lowered = to_edge_transform_and_lower(

@@ -15,6 +15,7 @@ import os
 from ..errors import VerifyFailed, one_line
 from ..programs import load_example_inputs, load_program
 from ..runner import StageResult
+from ..trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
 TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -72,8 +73,9 @@ def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> t
 def run(ctx) -> StageResult:
     method, target = ctx.stage.method, ctx.config.target
     device = "cuda" if target == "cuda" else "cpu"
-    ep = load_program(lambda name: ctx.blob("export", method, name))
-    inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
+    with phase("load"):
+        ep = load_program(lambda name: ctx.blob("export", method, name))
+        inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
     expected = eager_outputs(ep, inputs, device)
     so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
     blob = ctx.fetch("compile", method, "weights.blob", ctx.workdir / "weights.blob")

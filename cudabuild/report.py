@@ -1,0 +1,93 @@
+"""`cudabuild report`: how long the last builds of a model took, stage by stage.
+
+Reads the store's build log (every finished build's manifest: cudabuild.store.record_build) and
+prints one column per build, one row per stage: its seconds and status. `svg()` draws the same as
+stacked bars, one per build. The SVG is written by hand: a few rectangles and labels need no
+plotting library (matplotlib alone is tens of MB for one chart). Engine half; no torch here.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Optional
+
+STATUS_MARK = {"ran": "ran", "restored": "rest", "remote": "remote", "cached": "-"}
+# One colour per stage kind, in pipeline order (a qualitative palette that stays legible in grey).
+COLOURS = {"probe": "#999999", "export": "#4e79a7", "edge": "#59a14f", "compile": "#e15759",
+           "package": "#f28e2b", "verify": "#76b7b2"}
+
+
+def history(log: list[dict], model: str, target: Optional[str] = None, last: int = 5) -> list[dict]:
+    """The last `last` logged builds of `model` (and `target`), oldest first."""
+    builds = [b for b in log if b.get("model") == model and (target is None or b.get("target") == target)]
+    return builds[-last:] if last > 0 else []
+
+
+def _stage_ids(builds: list[dict]) -> list[str]:
+    ids: list[str] = []
+    for build in builds:
+        for row in build.get("stages", []):
+            sid = f"{row['stage']}.{row['method']}" if row.get("method") else row["stage"]
+            if sid not in ids:
+                ids.append(sid)
+    return ids
+
+
+def _cells(build: dict) -> dict[str, tuple[float, str]]:
+    return {(f"{r['stage']}.{r['method']}" if r.get("method") else r["stage"]): (float(r.get("seconds") or 0.0), r["status"])
+            for r in build.get("stages", [])}
+
+
+def _when(build: dict) -> str:
+    return time.strftime("%m-%d %H:%M", time.localtime(build.get("time", 0)))
+
+
+def table(builds: list[dict]) -> list[str]:
+    """Rows of text: a header of build times, then seconds and status per stage, then totals."""
+    if not builds:
+        return []
+    ids = _stage_ids(builds)
+    width = max(len(i) for i in ids + ["stage"]) + 2
+    header = "stage".ljust(width) + "".join(f"{_when(b) + ' ' + b.get('target', ''):>22}" for b in builds)
+    lines = [header]
+    for sid in ids:
+        cells = []
+        for build in builds:
+            seconds, status = _cells(build).get(sid, (0.0, ""))
+            mark = STATUS_MARK.get(status, status)
+            cells.append(f"{(f'{seconds:.1f}s ' if status == 'ran' else '') + mark:>22}")
+        lines.append(sid.ljust(width) + "".join(cells))
+    totals = [sum(seconds for seconds, _ in _cells(b).values()) for b in builds]
+    lines.append("total".ljust(width) + "".join(f"{f'{t:.1f}s':>22}" for t in totals))
+    return lines
+
+
+def svg(builds: list[dict], title: str) -> str:
+    """Stacked horizontal bars, one per build, a segment per stage that took time."""
+    bar, gap, left, width = 22, 10, 120, 560
+    longest = max((sum(s for s, _ in _cells(b).values()) for b in builds), default=0.0) or 1.0
+    height = 60 + len(builds) * (bar + gap) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 40}" height="{height}" '
+             'font-family="sans-serif" font-size="12">',
+             f'<text x="10" y="20" font-size="14">{html.escape(title)}</text>']
+    for i, build in enumerate(builds):
+        y = 40 + i * (bar + gap)
+        parts.append(f'<g class="build"><text x="10" y="{y + 15}">{html.escape(_when(build))}</text>')
+        x = float(left)
+        for sid, (seconds, status) in _cells(build).items():
+            if seconds <= 0:
+                continue
+            w = seconds / longest * width
+            colour = COLOURS.get(sid.split(".")[0], "#bab0ac")
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" fill="{colour}">'
+                         f'<title>{html.escape(sid)}: {seconds:.1f}s {status}</title></rect>')
+            x += w
+        total = sum(s for s, _ in _cells(build).values())
+        parts.append(f'<text x="{x + 4:.1f}" y="{y + 15}">{total:.1f}s</text></g>')
+    legend_y = 40 + len(builds) * (bar + gap) + 10
+    for j, (kind, colour) in enumerate(COLOURS.items()):
+        parts.append(f'<rect x="{left + j * 90}" y="{legend_y}" width="10" height="10" fill="{colour}"/>'
+                     f'<text x="{left + j * 90 + 14}" y="{legend_y + 10}">{kind}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,126 @@
+"""The build timeline: `build/<model>/<target>/trace.json`, in the Chrome trace event format.
+
+That is the format Bazel's `--profile` writes; Perfetto (ui.perfetto.dev) and chrome://tracing
+open it. A build has one span from the process's start to its manifest, a `startup` span (imports,
+configuration, planning), one span per stage (its up-to-date check and, if it ran, its run) with
+the stage's status and key, nested spans for the phases that cost time (load, autotune, C++
+compile, store writes, uploads) and a `manifest` span.
+
+Spans are recorded where they happen, which under `doit -n N` is several processes: each appends
+complete events to `build/<model>/<target>/.trace/<pid>.jsonl`, and the manifest task merges this
+run's events into trace.json. A lost or damaged part file loses its spans, never the build.
+Engine half; the inductor phases are reported by cudabuild.inductor_phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .files import atomic_write_text
+
+_CLOCK_OFFSET = time.time() - time.perf_counter()  # perf_counter, placed on the wall clock
+_current: contextvars.ContextVar[Optional["Recorder"]] = contextvars.ContextVar("cudabuild_trace", default=None)
+
+
+def now_us() -> float:
+    return (time.perf_counter() + _CLOCK_OFFSET) * 1e6
+
+
+def process_start_us() -> float:
+    """When this process started (Linux: /proc), else when this module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        return (boot + ticks / os.sysconf("SC_CLK_TCK")) * 1e6
+    except (OSError, ValueError, IndexError, StopIteration):
+        return now_us()
+
+
+_IMPORTED_US = now_us()
+
+
+class Recorder:
+    """Spans of one build (one build dir, one run id), appended to this process's part file."""
+
+    def __init__(self, build_dir: Path, run_id: str):
+        self.dir = build_dir / ".trace"
+        self.run_id = run_id
+        self._lock = threading.Lock()
+
+    def _emit(self, event: dict) -> None:
+        event = dict(event, pid=os.getpid(), tid=threading.get_native_id() % 100000)
+        event.setdefault("args", {})["run"] = self.run_id
+        line = json.dumps(event, sort_keys=True) + "\n"
+        with self._lock, contextlib.suppress(OSError):  # the timeline must never fail a build
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dir / f"{os.getpid()}.jsonl", "a") as part:
+                part.write(line)
+
+    def complete(self, name: str, start_us: float, end_us: float, category: str = "phase", **args) -> None:
+        self._emit({"name": name, "cat": category, "ph": "X", "ts": round(start_us, 1),
+                    "dur": round(max(end_us - start_us, 0.0), 1), "args": args})
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str = "phase", **args) -> Iterator[dict]:
+        """Time the block; `yield`s a dict whose entries join the span's args (a status, say)."""
+        token = _current.set(self)
+        start, extra = now_us(), {}
+        try:
+            yield extra
+        finally:
+            _current.reset(token)
+            self.complete(name, start, now_us(), category, **{**args, **extra})
+
+    def merge(self, build_start_us: float, build_end_us: float, **args) -> Path:
+        """Write trace.json from this run's events (every part file), with the whole build's span."""
+        events = []
+        for part in sorted(self.dir.glob("*.jsonl")) if self.dir.is_dir() else []:
+            try:
+                lines = part.read_text().splitlines()
+            except OSError:
+                continue
+            kept = []
+            for line in lines:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                (events if event.get("args", {}).get("run") == self.run_id else kept).append(event)
+            if not kept:  # everything in it was this run's: merged now
+                with contextlib.suppress(OSError):
+                    part.unlink()
+        events.append({"name": "build", "cat": "build", "ph": "X", "ts": round(build_start_us, 1),
+                       "dur": round(build_end_us - build_start_us, 1), "pid": os.getpid(), "tid": 0,
+                       "args": dict(args, run=self.run_id)})
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        path = self.dir.parent / "trace.json"
+        atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0))
+        return path
+
+
+@contextlib.contextmanager
+def phase(name: str, min_seconds: float = 0.0, **args) -> Iterator[dict]:
+    """A span inside whatever stage is being recorded in this context (a no-op outside one); not
+    recorded when it took less than `min_seconds` (inductor selects most GEMMs without tuning)."""
+    recorder = _current.get()
+    if recorder is None:
+        yield {}
+        return
+    start, extra = now_us(), {}
+    try:
+        yield extra
+    finally:
+        end = now_us()
+        if end - start >= min_seconds * 1e6:
+            recorder.complete(name, start, end, **{**args, **extra})
+
+
+def imported_us() -> float:
+    return _IMPORTED_US

@@ -1,0 +1,137 @@
+"""The console shows cudabuild's progress and summary only; what libraries print while a stage runs
+goes to that stage's log, and a failed stage points at its log (cudabuild.console, reporter)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import REPO, tiny_build_output
+
+from cudabuild import console
+from cudabuild.reporter import LiveProgress, PlainProgress, live_terminal
+
+THIRD_PARTY = re.compile(r"Warning:|Failed to load|^[WI]\d{4} \d\d:\d\d|AUTOTUNE")
+
+
+def test_a_builds_console_holds_no_third_party_output_and_its_logs_do(built_tiny, tmp_path_factory):
+    result = tiny_build_output(tmp_path_factory)
+    shown = (result.stdout + result.stderr).splitlines()
+    assert [line for line in shown if THIRD_PARTY.search(line)] == []
+    assert any(line.startswith("> compile decode") for line in shown) and "tiny_lm / cpu" in shown
+    logs = built_tiny.build_dir / "logs"
+    stages = [s["stage"] + (f".{s['method']}" if s["method"] else "") for s in built_tiny.manifest()["stages"]]
+    assert sorted(p.stem for p in logs.glob("*.log")) == sorted(stages)  # every stage ran: one log each
+    logged = "\n".join(p.read_text() for p in logs.glob("*.log"))
+    assert THIRD_PARTY.search(logged), "the warnings the console did not show are in the stage logs"
+
+
+def test_a_failing_stage_shows_its_log_and_the_lines_that_matter(project):
+    broken = project.root / "recipes" / "broken_lm.py"
+    text = (project.root / "recipes" / "tiny_lm.py").read_text()
+    text = text.replace("        T = tokens.shape[1]\n        x = self.embed(tokens)",
+                        "        T = tokens.shape[1]\n        if tokens.sum() > 0:\n            tokens = tokens + 0\n        x = self.embed(tokens)")
+    text = text.replace("    torch.manual_seed(options[\"seed\"])\n",
+                        "    torch.manual_seed(options[\"seed\"])\n    print('building broken_lm, seed', options['seed'])\n"
+                        "    import warnings; warnings.warn('a third-party warning', FutureWarning)\n")
+    broken.write_text(text)
+    result = project.export("model=broken_lm", "target=cpu")
+    assert result.returncode != 0
+    out = (result.stdout + result.stderr).splitlines()
+    error = next(i for i, line in enumerate(out) if line.startswith("cudabuild: error: [export.decode]"))
+    assert out[error + 1] == "  log: build/broken_lm/cpu/logs/export.decode.log"
+    log = project.root / "build/broken_lm/cpu/logs/export.decode.log"
+    tail = [line[4:] for line in out[error + 2:] if line.startswith("  | ")]
+    assert tail and tail == console.lines_that_matter(log)  # the end of the log, without the noise
+    assert any("broken_lm.py" in line and "if tokens.sum() > 0" in line for line in tail)  # torch's own pointer
+    assert not any("a third-party warning" in line for line in out)  # a warning is not what matters
+    assert "a third-party warning" in log.read_text() and "building broken_lm, seed 0" in log.read_text()
+    # The timeline of a failed build is written too, up to the failure.
+    timeline = json.loads((project.root / "build/broken_lm/cpu/trace.json").read_text())["traceEvents"]
+    build = next(e for e in timeline if e["name"] == "build")
+    assert build["args"]["failed"] == "export.decode" and any(e["name"] == "export.decode" for e in timeline)
+
+
+def test_capture_takes_fd_level_output_and_the_console_still_reaches_the_terminal(tmp_path):
+    log = tmp_path / "stage.log"
+    script = textwrap.dedent(f"""
+        import os, sys, warnings, logging
+        sys.path.insert(0, {str(REPO)!r})
+        from cudabuild import console
+        with console.capture(__import__('pathlib').Path({str(log)!r})):
+            print('python print')
+            os.write(1, b'fd one\\n')
+            os.write(2, b'fd two\\n')
+            warnings.warn('careful', UserWarning)
+            logging.getLogger('lib').warning('library says hi')
+            console.note('progress line')
+        print('after')
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "  progress line\nafter\n" and done.stderr == ""
+    text = log.read_text()
+    for piece in ("python print", "fd one", "fd two", "UserWarning: careful", "library says hi"):
+        assert piece in text
+
+
+def test_lines_that_matter_drop_warnings_their_source_lines_and_library_noise(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text(
+        "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library\n"
+        "/usr/lib/python3.12/copyreg.py:99: FutureWarning: `isinstance(treespec, LeafSpec)` is deprecated\n"
+        "  return cls.__new__(cls, *args)\n"
+        "W1201 09:16:00.288000 3586 torch/utils/_pytree.py:630] <enum 'KernelPreference'> is an Enum\n"
+        "step 1 of 2\n\n"
+        "Runtime error during autotuning: out of resources\n"
+    )
+    assert console.lines_that_matter(log) == ["step 1 of 2", "Runtime error during autotuning: out of resources"]
+    assert console.lines_that_matter(log, last=1) == ["Runtime error during autotuning: out of resources"]
+
+
+@pytest.mark.parametrize("argv, environ, streams", [
+    ([], {}, False), (["export", "-v", "2"], {}, True), (["--verbosity=2"], {}, True),
+    (["-v", "1"], {}, False), ([], {"CUDABUILD_VERBOSE": "1"}, True),
+])
+def test_streaming_is_asked_for_by_verbose_or_doits_verbosity_2(argv, environ, streams):
+    assert console.streaming(argv, environ) is streams
+
+
+def test_plain_progress_keeps_one_ticker_per_running_stage():
+    # Under `doit -n 4 nightly` several stages run at once: one finishing must not silence another.
+    stream = io.StringIO()
+    progress = PlainProgress(stream, tick=0.05)
+    progress.start("export:compile.decode", 76.0)
+    progress.start("export:compile.prefill", None)
+    time.sleep(0.12)
+    progress.finish("export:compile.decode", ok=True)
+    time.sleep(0.2)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    done_at = next(i for i, line in enumerate(lines) if line.startswith("  compile.decode done in"))
+    assert any(line.startswith("  compile.prefill still running") for line in lines[done_at + 1:])
+    assert any(line.endswith("(its last run took 76s)") for line in lines if line.startswith("  compile.decode still"))
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_gets_rich_live_lines_with_the_last_runs_time():
+    stream = FakeTerminal()
+    assert live_terminal(stream, {}) and not live_terminal(stream, {"CI": "true"}) and not live_terminal(io.StringIO(), {})
+    progress = LiveProgress(stream)
+    progress.start("export:compile.decode", 76.0)
+    time.sleep(0.3)
+    progress.finish("export:compile.decode", ok=True)
+    progress.close()
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue())
+    assert "compile decode" in shown and "last run 76s" in shown and "done in" in shown

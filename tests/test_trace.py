@@ -1,0 +1,57 @@
+"""Every build writes build/<model>/<target>/trace.json, a Chrome trace (cudabuild.trace): a span
+per stage with its status and key, the phases that cost time inside them, and spans that account
+for the build's whole wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from cudabuild.trace import Recorder, now_us, phase
+
+
+def spans(project) -> list[dict]:
+    data = json.loads((project.build_dir / "trace.json").read_text())
+    assert data["displayTimeUnit"] == "ms"
+    return data["traceEvents"]
+
+
+def test_a_builds_trace_has_every_stage_and_accounts_for_its_wall_time(built_tiny):
+    events = spans(built_tiny)
+    manifest = built_tiny.manifest()
+    build, = (e for e in events if e["name"] == "build")
+    runs = {e["name"]: e for e in events if e["cat"] == "stage" and e["args"].get("step") == "execute"}
+    for row in manifest["stages"]:
+        sid = row["stage"] + (f".{row['method']}" if row["method"] else "")
+        assert runs[sid]["args"]["status"] == row["status"] == "ran" and runs[sid]["args"]["key"] == row["key"]
+        assert build["ts"] <= runs[sid]["ts"] and runs[sid]["ts"] + runs[sid]["dur"] <= build["ts"] + build["dur"]
+    top = [e for e in events if e["cat"] in ("stage", "build") and e["name"] != "build"]
+    assert {"startup", "manifest"} <= {e["name"] for e in top}
+    accounted = sum(e["dur"] for e in top)
+    assert abs(accounted - build["dur"]) <= 0.10 * build["dur"], (accounted, build["dur"])
+    compile_run = runs["compile.decode"]
+    inside = {e["name"] for e in events if e["cat"] == "phase"
+              and compile_run["ts"] <= e["ts"] <= compile_run["ts"] + compile_run["dur"]}
+    assert {"run", "load", "C++ compile", "store writes"} <= inside
+    assert not (built_tiny.build_dir / ".trace").exists() or not list((built_tiny.build_dir / ".trace").glob("*.jsonl"))
+
+
+def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tmp_path):
+    build_dir = tmp_path / "build" / "m" / "cpu"
+    ours, other = Recorder(build_dir, "run-a"), Recorder(build_dir, "run-b")
+    start = now_us()
+    with ours.span("export.decode", "stage", step="execute") as args:
+        with phase("load"):
+            pass
+        args["status"] = "ran"
+    other.complete("compile.decode", start, now_us(), "stage")
+    # A worker process of the same run (doit -n): its own part file.
+    worker = {"name": "compile.prefill", "cat": "stage", "ph": "X", "ts": start, "dur": 5.0, "pid": os.getpid() + 1,
+              "tid": 1, "args": {"run": "run-a", "step": "execute"}}
+    (build_dir / ".trace" / f"{os.getpid() + 1}.jsonl").write_text(json.dumps(worker) + "\nnot json\n")
+
+    path = ours.merge(start - 10, now_us())
+    names = [e["name"] for e in json.loads(path.read_text())["traceEvents"]]
+    assert sorted(names) == ["build", "compile.prefill", "export.decode", "load"]
+    assert not (build_dir / ".trace" / f"{os.getpid() + 1}.jsonl").exists()  # merged: gone
+    assert "run-b" in (build_dir / ".trace" / f"{os.getpid()}.jsonl").read_text()  # another run's: kept
