@@ -9,6 +9,7 @@ from ..errors import CudabuildError, ExportFailed, one_line
 from ..hashing import canonical_json
 from ..programs import graph_digest, graph_summary, save_program, write_summary
 from ..runner import StageResult
+from ..trace import phase
 
 # The eager model, built once per process and options: all methods export the same module.
 _MODELS: dict = {}
@@ -31,7 +32,8 @@ def build_model(ctx):
 def run(ctx) -> StageResult:
     import torch
 
-    recipe, model = build_model(ctx)
+    with phase("load"):  # the model built, its checkpoint read
+        recipe, model = build_model(ctx)
     method = next(m for m in recipe.methods if m.name == ctx.stage.method)
     try:
         inputs = tuple(method.inputs(model))
