@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 from .files import atomic_write_text
 
+STALE_PART_SECONDS = 24 * 3600
 _CLOCK_OFFSET = time.time() - time.perf_counter()  # perf_counter, placed on the wall clock
 _current: contextvars.ContextVar[Optional["Recorder"]] = contextvars.ContextVar("cudabuild_trace", default=None)
 
@@ -93,7 +94,8 @@ class Recorder:
                 except ValueError:
                     continue
                 (events if event.get("args", {}).get("run") == self.run_id else kept).append(event)
-            if not kept:  # everything in it was this run's: merged now
+            # Merged now, or a day old (left by a build that was killed before its manifest).
+            if not kept or time.time() - part.stat().st_mtime > STALE_PART_SECONDS:
                 with contextlib.suppress(OSError):
                     part.unlink()
         events.append({"name": "build", "cat": "build", "ph": "X", "ts": round(build_start_us, 1),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from cudabuild.trace import Recorder, now_us, phase
 
@@ -55,3 +56,9 @@ def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tm
     assert sorted(names) == ["build", "compile.prefill", "export.decode", "load"]
     assert not (build_dir / ".trace" / f"{os.getpid() + 1}.jsonl").exists()  # merged: gone
     assert "run-b" in (build_dir / ".trace" / f"{os.getpid()}.jsonl").read_text()  # another run's: kept
+
+    # ... until it is a day old: a build killed before its manifest never merges its part.
+    stale = build_dir / ".trace" / f"{os.getpid()}.jsonl"
+    os.utime(stale, (time.time() - 2 * 24 * 3600,) * 2)
+    ours.merge(start - 10, now_us())
+    assert not stale.exists()
