@@ -35,13 +35,14 @@ def now_us() -> float:
 
 
 def process_start_us() -> float:
-    """When this process started (Linux: /proc), else when this module was imported."""
+    """When this process started (Linux: its age since boot from /proc, to 10 ms; the boot time
+    itself is only whole seconds), else when this module was imported."""
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-        return (boot + ticks / os.sysconf("SC_CLK_TCK")) * 1e6
-    except (OSError, ValueError, IndexError, StopIteration):
-        return now_us()
+        started_after_boot = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        up = float(Path("/proc/uptime").read_text().split()[0])
+        return now_us() - (up - started_after_boot) * 1e6
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_US
 
 
 _IMPORTED_US = now_us()
