@@ -70,15 +70,18 @@ class Recorder:
                     "dur": round(max(end_us - start_us, 0.0), 1), "args": args})
 
     @contextlib.contextmanager
-    def span(self, name: str, category: str = "phase", **args) -> Iterator[dict]:
-        """Time the block; `yield`s a dict whose entries join the span's args (a status, say)."""
+    def span(self, name: str, category: str = "phase", min_seconds: float = 0.0, **args) -> Iterator[dict]:
+        """Time the block; `yield`s a dict whose entries join the span's args (a status, say). Not
+        recorded when it took less than `min_seconds`."""
         token = _current.set(self)
         start, extra = now_us(), {}
         try:
             yield extra
         finally:
             _current.reset(token)
-            self.complete(name, start, now_us(), category, **{**args, **extra})
+            end = now_us()
+            if end - start >= min_seconds * 1e6:
+                self.complete(name, start, end, category, **{**args, **extra})
 
     def merge(self, build_start_us: float, build_end_us: float, **args) -> Path:
         """Write trace.json from this run's events (every part file), with the whole build's span."""
@@ -95,9 +98,10 @@ class Recorder:
                 except ValueError:
                     continue
                 (events if event.get("args", {}).get("run") == self.run_id else kept).append(event)
-            # Merged now, or a day old (left by a build that was killed before its manifest).
-            if not kept or time.time() - part.stat().st_mtime > STALE_PART_SECONDS:
-                with contextlib.suppress(OSError):
+            # Merged now, or a day old (left by a build that was killed before its manifest). A
+            # concurrent build of this project may have merged it already: then it is just gone.
+            with contextlib.suppress(OSError):
+                if not kept or time.time() - part.stat().st_mtime > STALE_PART_SECONDS:
                     part.unlink()
         events.append({"name": "build", "cat": "build", "ph": "X", "ts": round(build_start_us, 1),
                        "dur": round(build_end_us - build_start_us, 1), "pid": os.getpid(), "tid": 0,
@@ -116,14 +120,5 @@ def phase(name: str, min_seconds: float = 0.0, **args) -> Iterator[dict]:
     if recorder is None:
         yield {}
         return
-    start, extra = now_us(), {}
-    try:
+    with recorder.span(name, min_seconds=min_seconds, **args) as extra:
         yield extra
-    finally:
-        end = now_us()
-        if end - start >= min_seconds * 1e6:
-            recorder.complete(name, start, end, **{**args, **extra})
-
-
-def imported_us() -> float:
-    return _IMPORTED_US
