@@ -45,6 +45,11 @@ def delegate_input_positions(ep, method: str) -> list[int]:
     return positions
 
 
+def _rank(positions: list[int]) -> list[int]:
+    """The indices of `positions` in ascending order of position: the new order of the inputs."""
+    return sorted(range(len(positions)), key=positions.__getitem__)
+
+
 def reorder_user_inputs(ep, positions: list[int]):
     """Put `ep`'s user inputs in the order `positions` gives them (the i-th moves to rank
     positions[i] among them); in place, and returned. Nothing else changes: the placeholders are
@@ -55,7 +60,7 @@ def reorder_user_inputs(ep, positions: list[int]):
     user_slots = [i for i, spec in enumerate(specs) if spec.kind == InputKind.USER_INPUT]
     if len(user_slots) != len(positions) or sorted(positions) != sorted(set(positions)):
         raise ValueError(f"{len(user_slots)} user inputs cannot take the positions {positions}")
-    rank = sorted(range(len(positions)), key=positions.__getitem__)
+    rank = _rank(positions)
     if rank == list(range(len(rank))):
         return ep
     user_specs = [specs[i] for i in user_slots]
@@ -91,9 +96,8 @@ def call_delegates_in_method_order(edge_manager, methods: list[str]) -> list[str
         call = delegate_call(ep, method)
         lowered = getattr(ep.graph_module, call.args[0].target)
         reorder_user_inputs(lowered.original_module, positions)
-        rank = sorted(range(len(positions)), key=positions.__getitem__)
         inputs = call.args[1:]
-        call.args = (call.args[0], *(inputs[i] for i in rank))
+        call.args = (call.args[0], *(inputs[i] for i in _rank(positions)))
         ep.graph_module.recompile()
         reordered.append(method)
     return reordered
