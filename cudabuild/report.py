@@ -48,17 +48,18 @@ def table(builds: list[dict]) -> list[str]:
     if not builds:
         return []
     ids = _stage_ids(builds)
+    cells_of = [_cells(b) for b in builds]  # once per build, not once per row
     width = max(len(i) for i in ids + ["stage"]) + 2
     header = "stage".ljust(width) + "".join(f"{_when(b) + ' ' + b.get('target', ''):>22}" for b in builds)
     lines = [header]
     for sid in ids:
         cells = []
-        for build in builds:
-            seconds, status = _cells(build).get(sid, (0.0, ""))
+        for build_cells in cells_of:
+            seconds, status = build_cells.get(sid, (0.0, ""))
             mark = STATUS_MARK.get(status, status)
             cells.append(f"{(f'{seconds:.1f}s ' if status == 'ran' else '') + mark:>22}")
         lines.append(sid.ljust(width) + "".join(cells))
-    totals = [sum(seconds for seconds, _ in _cells(b).values()) for b in builds]
+    totals = [sum(seconds for seconds, _ in c.values()) for c in cells_of]
     lines.append("total".ljust(width) + "".join(f"{f'{t:.1f}s':>22}" for t in totals))
     return lines
 
@@ -74,8 +75,8 @@ def svg(builds: list[dict], title: str) -> str:
     for i, build in enumerate(builds):
         y = 40 + i * (bar + gap)
         parts.append(f'<g class="build"><text x="10" y="{y + 15}">{html.escape(_when(build))}</text>')
-        x = float(left)
-        for sid, (seconds, status) in _cells(build).items():
+        x, cells = float(left), _cells(build)
+        for sid, (seconds, status) in cells.items():
             if seconds <= 0:
                 continue
             w = seconds / longest * width
@@ -83,7 +84,7 @@ def svg(builds: list[dict], title: str) -> str:
             parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" fill="{colour}">'
                          f'<title>{html.escape(sid)}: {seconds:.1f}s {status}</title></rect>')
             x += w
-        total = sum(s for s, _ in _cells(build).values())
+        total = sum(s for s, _ in cells.values())
         parts.append(f'<text x="{x + 4:.1f}" y="{y + 15}">{total:.1f}s</text></g>')
     legend_y = 40 + len(builds) * (bar + gap) + 10
     for j, (kind, colour) in enumerate(COLOURS.items()):
