@@ -25,7 +25,7 @@ def cpu_backend():
     from executorch.exir.backend.backend_details import BackendDetails
     from torch._inductor.decomposition import conv1d_to_conv2d
 
-    from cudabuild.aoti_options import aoti_options
+    from cudabuild.backend.aoti_options import aoti_options
 
     class EveryKernel(dict):
         def __contains__(self, key):  # CPU fallbacks resolve in libtorch: none is missing

@@ -15,7 +15,7 @@ kind at a time, `edge+scalars` (lifted 0-d constants inlined) and `raw+copies` (
 What it found on the H200 (torch 2.11, 2026-12-01), before cudabuild fixed the input order: raw
 and raw+copies right, every edge variant wrong by the same 2.16, with or without Triton GEMMs, and
 `edge.eager` refused the method's inputs ("expected torch.Size([1]) ... at *args[0]"): the
-program ExecuTorch hands the backend takes (input_pos, tokens). See cudabuild.calling_convention
+program ExecuTorch hands the backend takes (input_pos, tokens). See cudabuild.backend.calling_convention
 and bench/repro_cuda_decode.py. (That run reused one program object across the option cases, which
 the compile frees; each case now compiles a private copy.)
 """
@@ -106,10 +106,10 @@ def build(model_name: str, method_name: str):
     import torch
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    from cudabuild import delegate
+    from cudabuild.backend import delegate
     from cudabuild.registry import load_recipe
     from cudabuild.specs import resolve_method_specs
-    from cudabuild.stages.edge import backend_passes
+    from cudabuild.backend.stages.edge import backend_passes
     from torch._inductor.decomposition import conv1d_to_conv2d
 
     recipe = load_recipe(ROOT, model_name)
@@ -144,10 +144,10 @@ def compile_and_run(ep, inputs, options: dict, low_memory: bool, trace_dir: Path
     from executorch.backends.cuda.passes.move_cond_predicate_to_cpu import MoveCondPredicateToCpuPass
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cudabuild import lowmem
-    from cudabuild.fallbacks import collect_fallbacks
-    from cudabuild.stages.compile import user_input_values
-    from cudabuild.stages.verify import run_compiled
+    from cudabuild.backend import lowmem
+    from cudabuild.backend.fallbacks import collect_fallbacks
+    from cudabuild.backend.stages.compile import user_input_values
+    from cudabuild.backend.stages.verify import run_compiled
 
     if trace_dir is not None:
         options = dict(options, **{"trace.enabled": True, "trace.debug_dir": str(trace_dir)})
@@ -235,10 +235,10 @@ def keep_kernel_sources(cache: Path, into: Path) -> None:
 def worker(args) -> None:
     import torch
 
-    from cudabuild.aoti_options import aoti_options, with_custom_shims
-    from cudabuild.cuda_env import scoped_environ
-    from cudabuild.stages.compile import compile_environment
-    from cudabuild.toolchain import probe
+    from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
+    from cudabuild.backend.cuda_env import scoped_environ
+    from cudabuild.backend.stages.compile import compile_environment
+    from cudabuild.backend.toolchain import probe
 
     out = Path(args.out)
     results = out / "bisect.jsonl"

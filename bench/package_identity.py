@@ -21,10 +21,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(model: str, target: str) -> int:
-    from cudabuild import delegate
-    from cudabuild.programs import load_program
-    from cudabuild.stages.package import write_package
-    from cudabuild.store import Store
+    from cudabuild.backend import delegate
+    from cudabuild.backend.programs import load_program
+    from cudabuild.backend.stages.package import write_package
+    from cudabuild.engine.store import Store
 
     build = ROOT / "build" / model / target
     stamp = lambda stage: json.loads((build / ".stamps" / f"{stage}.json").read_text())

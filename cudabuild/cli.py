@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .errors import CudabuildError, one_line
+from cudabuild.errors import CudabuildError, one_line
 
 # (command, one line): what `cudabuild --help` lists.
 COMMANDS = (
@@ -116,10 +116,10 @@ def _project() -> Path:
 
 
 def cmd_explain(args) -> int:
-    from .config import load_config
-    from .explain import forecast
-    from .runner import Runner
-    from .store import Store
+    from cudabuild.config import load_config
+    from cudabuild.engine.explain import forecast
+    from cudabuild.engine.runner import Runner
+    from cudabuild.engine.store import Store
 
     store = Store()
     try:
@@ -137,9 +137,9 @@ def cmd_explain(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from . import report
-    from .files import atomic_write_text
-    from .store import Store
+    from cudabuild.engine import report
+    from cudabuild.engine.files import atomic_write_text
+    from cudabuild.engine.store import Store
 
     settings = _settings(args.settings, "report")
     if set(settings) - {"model", "target"} or "model" not in settings:
@@ -160,8 +160,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from . import cache_admin
-    from .store import MAX_SIZE_ENV, Store
+    from cudabuild.engine import cache_admin
+    from cudabuild.engine.store import MAX_SIZE_ENV, Store
 
     if args.cache_command is None:
         raise UsageError("cache needs a command: stats, verify or gc (see cudabuild cache --help)")

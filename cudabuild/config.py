@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from . import registry
-from .errors import InvalidOption
-from .specs import SPEC_TABLE, resolve_method_specs
-from .toolchain import resolve_target
+from cudabuild import registry
+from cudabuild.errors import InvalidOption
+from cudabuild.specs import SPEC_TABLE, resolve_method_specs
+from cudabuild.backend.toolchain import resolve_target
 
 DEFAULT_MODEL = "qwen_moe"
 RESERVED = ("model", "target", "models", "targets", "autotune")

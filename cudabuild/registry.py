@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .errors import RecipeError, UnknownModel
-from .hashing import FileHasher, digest
+from cudabuild.errors import RecipeError, UnknownModel
+from cudabuild.engine.hashing import FileHasher, digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
 DESCRIPTION_VERSION = 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .errors import InvalidSpec
+from cudabuild.errors import InvalidSpec
 
 ON_OFF = ("ON", "OFF")
 

@@ -21,7 +21,7 @@ from typing import Callable
 from _kill_hook import MARKER
 from conftest import Project
 
-from cudabuild.store import Store
+from cudabuild.engine.store import Store
 
 MODEL, TARGET = "tiny_lm", "cpu"
 BUILD_ARGS = (f"model={MODEL}", f"target={TARGET}")

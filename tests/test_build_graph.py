@@ -25,7 +25,7 @@ def sha(path) -> str:
 
 
 def cache_entries(project) -> set:
-    from cudabuild.store import Store
+    from cudabuild.engine.store import Store
 
     store = Store(project.cache)
     try:
@@ -62,7 +62,7 @@ def test_each_distinct_tensor_is_stored_once(built_tiny):
     assert len(edge) - len(export) <= 2
     # One compiled weights blob for both methods, stored, and packaged into the .ptd, once.
     assert outputs["compile.decode"]["weights.blob"] == outputs["compile.prefill"]["weights.blob"]
-    from cudabuild.store import Store
+    from cudabuild.engine.store import Store
 
     store = Store(built_tiny.cache)
     blob = store.read_bytes(outputs["compile.decode"]["weights.blob"])
@@ -146,7 +146,7 @@ def test_deleted_output_is_restored_not_rebuilt(tiny_copy):
 
 
 def recorded_stages(project) -> set:
-    from cudabuild.store import Store
+    from cudabuild.engine.store import Store
 
     store = Store(project.cache)
     try:

@@ -1,4 +1,4 @@
-"""cudabuild.cache_admin and Store.enforce_limit: sizes, stats over real logged builds, gc that keeps
+"""cudabuild.engine.cache_admin and Store.enforce_limit: sizes, stats over real logged builds, gc that keeps
 what build/ references, and verify that finds a damaged blob (see _fixtures_cli for the builds)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 import pytest
 
 from _fixtures_cli import BUILD, scripted_builds, tiny_lm_build
-from cudabuild import cache_admin
+from cudabuild.engine import cache_admin
 from cudabuild.errors import InvalidOption
-from cudabuild.store import Store
+from cudabuild.engine.store import Store
 
 MiB = 2**20
 

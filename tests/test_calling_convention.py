@@ -1,5 +1,5 @@
 """A delegated method takes the method's inputs in the method's order, whatever order ExecuTorch's
-partitioner gives its delegate (cudabuild.calling_convention).
+partitioner gives its delegate (cudabuild.backend.calling_convention).
 
 The model here reads its second input first, so the partitioner's delegate takes (input_pos,
 tokens) on every torch; on torch 2.11 tiny_lm's decode came out that way too, and the .so,
@@ -13,7 +13,7 @@ import torch
 
 from conftest import assert_ok
 
-from cudabuild import calling_convention, delegate
+from cudabuild.backend import calling_convention, delegate
 
 RECIPE = '''"""reads_pos_first: a decode step whose forward reads input_pos before tokens.
 

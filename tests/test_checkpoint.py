@@ -1,4 +1,4 @@
-"""Tests for cudabuild/checkpoint.py: the safetensors reader and writer, and loading a Hugging Face
+"""Tests for cudabuild/models/checkpoint.py: the safetensors reader and writer, and loading a Hugging Face
 checkpoint of the tiny qwen_moe model (written here under Hugging Face names) into a fresh model."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from cudabuild import checkpoint as ck
-from cudabuild.checkpoint import CheckpointError
+from cudabuild.models import checkpoint as ck
+from cudabuild.models.checkpoint import CheckpointError
 from cudabuild.errors import CudabuildError
 from cudabuild.models import qwen_moe as qm
 

@@ -1,4 +1,4 @@
-"""cudabuild.cuda_env against fake CUDA installs built from real files and symlinks in tmp dirs."""
+"""cudabuild.backend.cuda_env against fake CUDA installs built from real files and symlinks in tmp dirs."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cudabuild.cuda_env import (
+from cudabuild.backend.cuda_env import (
     CudaEnvPlan,
     cheap_cuda_fingerprint,
     find_ptxas,
@@ -287,7 +287,7 @@ def test_gpu_present(machine, tmp_path):
 
 def test_import_and_fingerprint_stay_torch_free():
     code = (
-        "import sys, cudabuild.cuda_env as c; c.cheap_cuda_fingerprint(); c.gpu_present(); "
+        "import sys, cudabuild.backend.cuda_env as c; c.cheap_cuda_fingerprint(); c.gpu_present(); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
     )
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""cudabuild.explain: the words for a changed input, the first differing graph node, and
+"""cudabuild.engine.explain: the words for a changed input, the first differing graph node, and
 `cudabuild explain`'s forecast against a real tiny_lm build (see _fixtures_cli)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from _fixtures_cli import BUILD, SPEC_CHANGE, scripted_builds, tiny_lm_build
-from cudabuild.explain import Pending, graph_difference, predict_probe_value, reason
+from cudabuild.engine.explain import Pending, graph_difference, predict_probe_value, reason
 
 EDGE = {"stage": "edge", "version": 1, "target": "cpu", "method": "decode", "graph": "a" * 64,
         "specs": {"triton_kernel_mode": "OFF"}, "toolchain": {"torch": "2.13.0", "triton": "3.6.0"}}
@@ -88,7 +88,7 @@ def test_graph_difference_names_the_first_differing_node():
 
 def test_probe_prediction_matches_a_real_probe(monkeypatch):
     """explain predicts probe's report from the cheap fingerprint; it must agree with toolchain.probe."""
-    from cudabuild.toolchain import cheap_fingerprint, probe
+    from cudabuild.backend.toolchain import cheap_fingerprint, probe
 
     last = {"inputs": {"fingerprint": cheap_fingerprint("cpu")}, "value": probe("cpu")}
     monkeypatch.setenv("TORCHINDUCTOR_FOO", "1")
@@ -155,7 +155,7 @@ def test_graph_change_names_the_first_differing_node_and_the_source(tmp_path_fac
 
 @pytest.mark.slow
 def test_manifest_records_why_each_stage_ran(tmp_path_factory):
-    from cudabuild.store import Store
+    from cudabuild.engine.store import Store
 
     scripted = scripted_builds(tmp_path_factory)
     store = Store(scripted.cache)

@@ -1,4 +1,4 @@
-"""Atomic writes (cudabuild.files) give files the mode a plain open() would: 0666 less the umask."""
+"""Atomic writes (cudabuild.engine.files) give files the mode a plain open() would: 0666 less the umask."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import stat
 
 from conftest import assert_ok
 
-from cudabuild.files import FILE_MODE, atomic_copy, atomic_write_text
+from cudabuild.engine.files import FILE_MODE, atomic_copy, atomic_write_text
 
 OUTPUTS = ("model.pte", "aoti_cpu_blob.ptd", "manifest.json", "trace.json")
 

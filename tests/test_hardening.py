@@ -24,8 +24,8 @@ from _faults import (
 )
 from conftest import Project, assert_ok, new_project
 
-from cudabuild.cache_admin import format_bytes
-from cudabuild.store import Store
+from cudabuild.engine.cache_admin import format_bytes
+from cudabuild.engine.store import Store
 
 REBUILD_TIMEOUT = 600
 
@@ -120,7 +120,7 @@ def cache_gc(project: Project) -> str:
     return result.stdout
 
 
-_PUT = ("import sys; from cudabuild.store import Store; s = Store(sys.argv[1]); print('open', flush=True); input(); "
+_PUT = ("import sys; from cudabuild.engine.store import Store; s = Store(sys.argv[1]); print('open', flush=True); input(); "
         "s.put_file(sys.argv[2], sha=sys.argv[3])")
 
 
@@ -363,7 +363,7 @@ def test_damaged_doit_db_is_rebuilt_from_the_store(built_tiny, tiny_copy, damage
 def _checkpoint(folder, damage):
     import torch
 
-    from cudabuild import checkpoint as ck
+    from cudabuild.models import checkpoint as ck
     from cudabuild.models import qwen_moe as qm
 
     args = qm.SIZES["tiny"]
@@ -391,7 +391,7 @@ def test_bad_checkpoint_is_one_line_and_caches_nothing(project, tmp_path, damage
 
 
 def test_target_cuda_without_a_gpu_is_one_line(project):
-    from cudabuild.cuda_env import gpu_present
+    from cudabuild.backend.cuda_env import gpu_present
 
     if gpu_present(os.environ):
         pytest.skip("this machine has a GPU")
@@ -407,8 +407,8 @@ def test_fallback_kernels_the_cuda_runtime_lacks_are_named_in_one_line(built_tin
     from doit.task import Task
 
     from cudabuild.errors import CompileFailed, one_line
-    from cudabuild.fallbacks import check_cuda_fallbacks
-    from cudabuild.reporter import CudabuildReporter
+    from cudabuild.backend.fallbacks import check_cuda_fallbacks
+    from cudabuild.engine.reporter import CudabuildReporter
 
     # The fallbacks a real compile emitted (CPU shims, none of which the CUDA runtime provides).
     emitted = set(stamp(built_tiny, "compile.decode")["value"]["fallback_kernels"])

@@ -1,4 +1,4 @@
-"""cudabuild.lowmem with real torch.export and a real AOTInductor compile (CPU, and CUDA if present)."""
+"""cudabuild.backend.lowmem with real torch.export and a real AOTInductor compile (CPU, and CUDA if present)."""
 
 import ctypes
 import os
@@ -9,7 +9,7 @@ from torch._inductor import compile_fx, graph
 from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 from torch._inductor.graph import GraphLowering
 
-from cudabuild.lowmem import (
+from cudabuild.backend.lowmem import (
     LowMemoryPatchError,
     compile_time_cpu_clones,
     is_kv_cache_buffer,

@@ -1,4 +1,4 @@
-"""`doit nightly` (doit_tasks.task_nightly, cudabuild.nightly): many builds in parallel worker
+"""`doit nightly` (doit_tasks.task_nightly, cudabuild.engine.nightly): many builds in parallel worker
 processes, one broken model that stops nobody, and build/nightly.json."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cudabuild.doit_tasks import requested
+from cudabuild.engine.doit_tasks import requested
 
 BROKEN_RECIPE = '''"""broken: a recipe whose model cannot be built."""
 from cudabuild.recipe import Method, Recipe

@@ -1,5 +1,5 @@
 """package lowers stand-ins with each method's calling convention instead of the exported programs
-(cudabuild.standin): the .pte and .ptd must be the very bytes the real programs lower to, and a
+(cudabuild.backend.standin): the .pte and .ptd must be the very bytes the real programs lower to, and a
 signature a stand-in cannot reproduce must be refused, so that package lowers the real program."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from _faults import stamp
 from conftest import REPO
 
-from cudabuild import standin
-from cudabuild.programs import graph_summary
-from cudabuild.store import Store
+from cudabuild.backend import standin
+from cudabuild.backend.programs import graph_summary
+from cudabuild.engine.store import Store
 
 METHODS = ("decode", "prefill")
 

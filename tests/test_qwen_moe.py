@@ -319,7 +319,7 @@ def test_exported_prefill_is_one_graph_for_every_length(exported, model, tokens)
 
 @pytest.mark.slow
 def test_aoti_compiles_both_methods_on_cpu_with_only_matmul_fallbacks(exported, model, tokens, tmp_path):
-    from cudabuild.fallbacks import collect_fallbacks
+    from cudabuild.backend.fallbacks import collect_fallbacks
 
     runners = {}
     for name, ep in exported.items():

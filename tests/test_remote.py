@@ -1,4 +1,4 @@
-"""cudabuild.remote and the shared tier end to end, against a real redis-server on loopback.
+"""cudabuild.engine.remote and the shared tier end to end, against a real redis-server on loopback.
 
 Each test gets its own server (a free 127.0.0.1 port, no persistence, in a tmp dir, killed at
 teardown). The end-to-end tests seed Redis from the session's one real tiny_lm build (its local
@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Project, assert_ok, new_project
-from cudabuild import remote
-from cudabuild.remote import RedisTier, push_store
-from cudabuild.store import Store
+from cudabuild.engine import remote
+from cudabuild.engine.remote import RedisTier, push_store
+from cudabuild.engine.store import Store
 
 REDIS_SERVER = shutil.which("redis-server")
 BUILD = ("model=tiny_lm", "target=cpu")
@@ -216,7 +216,7 @@ def test_record_naming_paths_outside_build_is_ignored(server):
 def test_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies(server):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from cudabuild.remote import RedisTier
+        from cudabuild.engine.remote import RedisTier
         lease = RedisTier("{server.url}", lease_seconds=1.0).try_lease("K")
         with lease:
             print("held", flush=True)
@@ -279,8 +279,8 @@ def test_settings_are_checked_together():
 
 
 def test_compile_environment_shares_inductor_autotuning(monkeypatch, tmp_path):
-    from cudabuild.stages.compile import compile_environment
-    from cudabuild.toolchain import ENV_IGNORED
+    from cudabuild.backend.stages.compile import compile_environment
+    from cudabuild.backend.toolchain import ENV_IGNORED
 
     monkeypatch.setenv("CUDABUILD_REMOTE", "redis://127.0.0.1:6390/3")
     env = compile_environment("cpu", {}, tmp_path)
@@ -307,7 +307,7 @@ def test_no_op_with_remote_set_touches_no_network_and_no_redis(built_tiny, tmp_p
     result = proj.doit("export", *BUILD, env=proj.env(CUDABUILD_REMOTE=dead, PYTHONPROFILEIMPORTTIME="1"))
     assert_ok(result)
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "cudabuild.remote" in imported and "redis" not in imported and "torch" not in imported
+    assert "cudabuild.engine.remote" in imported and "redis" not in imported and "torch" not in imported
     assert set(proj.statuses().values()) == {"cached"} and not warning_lines(result)
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from cudabuild.config import BuildConfig
 from cudabuild.errors import InvalidSpec
-from cudabuild.graph import Stage, stage_inputs
-from cudabuild.hashing import digest
+from cudabuild.engine.graph import Stage, stage_inputs
+from cudabuild.engine.hashing import digest
 from cudabuild.specs import resolve_method_specs, specs_for_stage
 
 METHODS = ["decode", "prefill"]

@@ -9,9 +9,9 @@ import json
 from _faults import MODEL, TARGET, build_dir, one_error_line, stamp
 from conftest import assert_ok
 
-from cudabuild.programs import load_program
-from cudabuild.stages.verify import constants_unlike_program
-from cudabuild.store import Store
+from cudabuild.backend.programs import load_program
+from cudabuild.backend.stages.verify import constants_unlike_program
+from cudabuild.engine.store import Store
 
 
 def edge_program_and_compile(project, tmp_path, method: str = "decode"):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cudabuild.checkpoint import CheckpointError, Target
+from cudabuild.models.checkpoint import CheckpointError, Target
 
 
 @dataclass(frozen=True)
@@ -681,7 +681,7 @@ def from_checkpoint(path, max_seq_len: int, chunk: int, n_layers: int = 0) -> Tr
     The weight dtype is the checkpoint's (`dtype`/`torch_dtype` in config.json, else bfloat16);
     `n_layers` > 0 keeps only the first layers.
     """
-    from cudabuild import checkpoint
+    from cudabuild.models import checkpoint
 
     config = checkpoint.read_config(path)
     args = ModelArgs.from_hf(config, max_seq_len=max_seq_len, chunk=chunk).with_layers(n_layers)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from .. import registry
-from ..errors import CudabuildError, ExportFailed, one_line
-from ..hashing import canonical_json
-from ..programs import graph_digest, graph_summary, save_program, write_summary
-from ..runner import StageResult
-from ..trace import phase
+from cudabuild import registry
+from cudabuild.errors import CudabuildError, ExportFailed, one_line
+from cudabuild.engine.hashing import canonical_json
+from cudabuild.backend.programs import graph_digest, graph_summary, save_program, write_summary
+from cudabuild.engine.runner import StageResult
+from cudabuild.engine.trace import phase
 
 # The eager model, built once per process and options: all methods export the same module.
 _MODELS: dict = {}

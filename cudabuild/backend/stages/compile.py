@@ -4,7 +4,7 @@ Everything process-global the compile touches is scoped to it and undone afterwa
 error: the environment (the inductor cache dir, line-info switches, and on cuda the probed
 TRITON_PTXAS_PATH / TORCH_CUDA_ARCH_LIST plan; with a shared Redis, inductor's remote autotune
 cache), the fallback-kernel collector, the SDPA backend choice, and with low_memory_mode=ON the
-KV-freeing device move and the CPU-clone patches (cudabuild.lowmem). Device memory the method
+KV-freeing device move and the CPU-clone patches (cudabuild.backend.lowmem). Device memory the method
 held is released before returning, so the next method starts from an empty device.
 
 Reproducibility: each compile runs in a private inductor dir whose absolute path is a function of
@@ -12,7 +12,7 @@ the action key (`$CUDABUILD_INDUCTOR_DIR/<key>`), emptied first. Inductor embeds
 generated wrapper, so the same inputs compile in the same place on every machine, and nothing a
 previous compile left there leaks in. Line tables and Triton line info, which embed source paths,
 are off. Tuning decisions are restored before compiling (pinned, or from an earlier compile with
-the same tuning key) and harvested afterwards (cudabuild.tuning).
+the same tuning key) and harvested afterwards (cudabuild.backend.tuning).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ import os
 import shutil
 from pathlib import Path
 
-from .. import inductor_phases
-from ..aoti_options import aoti_options, with_custom_shims
-from ..cuda_env import scoped_environ
-from ..errors import CompileFailed, one_line
-from ..fallbacks import check_cuda_fallbacks, collect_fallbacks
-from ..hashing import digest, sha256_file
-from ..programs import load_program
-from ..remote import inductor_environment
-from ..runner import StageResult
-from ..toolchain import inductor_root
-from ..trace import phase
-from .. import tuning
+from cudabuild.backend import inductor_phases
+from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
+from cudabuild.backend.cuda_env import scoped_environ
+from cudabuild.errors import CompileFailed, one_line
+from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
+from cudabuild.engine.hashing import digest, sha256_file
+from cudabuild.backend.programs import load_program
+from cudabuild.engine.remote import inductor_environment
+from cudabuild.engine.runner import StageResult
+from cudabuild.backend.toolchain import inductor_root
+from cudabuild.engine.trace import phase
+from cudabuild.backend import tuning
 
 def inductor_dir_for(key: str) -> Path:
     return Path(inductor_root()) / key[:20]
@@ -81,7 +81,7 @@ def _compile(ctx) -> StageResult:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .. import lowmem
+    from cudabuild.backend import lowmem
 
     method, target = ctx.stage.method, ctx.config.target
     specs = dict(ctx.config.specs[method])

@@ -12,10 +12,10 @@ import ctypes
 import json
 import os
 
-from ..errors import VerifyFailed, one_line
-from ..programs import load_example_inputs, load_program
-from ..runner import StageResult
-from ..trace import phase
+from cudabuild.errors import VerifyFailed, one_line
+from cudabuild.backend.programs import load_example_inputs, load_program
+from cudabuild.engine.runner import StageResult
+from cudabuild.engine.trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
 TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}

@@ -30,17 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import console, graph, trace
-from .config import BuildConfig
-from .errors import CorruptBlob, CudabuildError, MissingBlob
-from .explain import reason as explain_reason
-from .files import atomic_copy, atomic_write_text
-from .graph import Stage
-from .hashing import digest
-from .store import Store
-from .toolchain import cheap_fingerprint
+from cudabuild.engine import console, graph, trace
+from cudabuild.config import BuildConfig
+from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
+from cudabuild.engine.explain import reason as explain_reason
+from cudabuild.engine.files import atomic_copy, atomic_write_text
+from cudabuild.engine.graph import Stage
+from cudabuild.engine.hashing import digest
+from cudabuild.engine.store import Store
+from cudabuild.backend.toolchain import cheap_fingerprint
 
-STAGE_MODULES = {kind: f"cudabuild.stages.{kind}" for kind in graph.KINDS}
+STAGE_MODULES = {kind: f"cudabuild.backend.stages.{kind}" for kind in graph.KINDS}
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Runner:
     run_id: str
     log: Callable[[str], None] = console.note
     statuses: dict = field(default_factory=dict)  # stage id -> status for this process
-    # Third-party output of a stage that runs goes to its log (cudabuild.console), unless streamed.
+    # Third-party output of a stage that runs goes to its log (cudabuild.engine.console), unless streamed.
     capture_output: bool = True
     logs: dict = field(default_factory=dict)  # stage id -> the log this process's run of it wrote
     _fingerprint: Optional[dict] = None
@@ -384,7 +384,7 @@ class Runner:
         The compile stamps are then re-keyed to the inputs that name the new pin: replaying the
         decisions a compile just made reproduces that compile, so nothing is rebuilt for it.
         """
-        from .tuning import write_pins
+        from cudabuild.backend.tuning import write_pins
 
         entries = {}
         for method in self.config.methods:

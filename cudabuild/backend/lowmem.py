@@ -176,7 +176,7 @@ def release_device_tensors(ep: ExportedProgram) -> int:
 def _require(condition: bool, what: str) -> None:
     if not condition:
         raise LowMemoryPatchError(
-            f"torch {torch.__version__}: {what}; cudabuild.lowmem's compile-time patches must "
+            f"torch {torch.__version__}: {what}; cudabuild.backend.lowmem's compile-time patches must "
             "be updated for this torch (or compile with low_memory off)"
         )
 

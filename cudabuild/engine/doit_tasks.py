@@ -8,7 +8,7 @@ remembers what the store already knows: deleting `.doit.db` loses nothing. A las
 summary. Bad input stops the load with one line and exit status 2, before anything runs.
 
 `nightly` builds many (model, target) pairs at once with the same sub-tasks, named
-`nightly:<model>/<target>:<stage>`, plus `nightly:report` (see cudabuild.nightly).
+`nightly:<model>/<target>:<stage>`, plus `nightly:report` (see cudabuild.engine.nightly).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from . import console, nightly, reporter, trace
-from .config import load_config
-from .errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, one_line
-from .files import atomic_write_text
-from .graph import dependencies, plan
-from .registry import list_models
-from .reporter import CudabuildReporter, failure_lines, print_summary
-from .runner import Runner
-from .store import Store
+from cudabuild.engine import console, nightly, reporter, trace
+from cudabuild.config import load_config
+from cudabuild.errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, one_line
+from cudabuild.engine.files import atomic_write_text
+from cudabuild.engine.graph import dependencies, plan
+from cudabuild.registry import list_models
+from cudabuild.engine.reporter import CudabuildReporter, failure_lines, print_summary
+from cudabuild.engine.runner import Runner
+from cudabuild.engine.store import Store
 
 RUN_ID = uuid.uuid4().hex
 STARTED = time.monotonic()

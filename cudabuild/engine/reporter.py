@@ -7,7 +7,7 @@ running stage with its elapsed time and, where known, how long its last run took
 stage leaves one line above them. Otherwise, plain lines: `> stage`, `still running, Ns elapsed`
 every CUDABUILD_PROGRESS_SECONDS, `done in`. Under `doit -n N` every worker's events reach this one
 reporter, so everything here is keyed by task. Everything goes to the terminal's own streams
-(cudabuild.console), never into a stage's log.
+(cudabuild.engine.console), never into a stage's log.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Callable, Optional
 from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 
-from . import console
+from cudabuild.engine import console
 
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
 
-# task name -> seconds its stage took last time, or None; set by cudabuild.doit_tasks.
+# task name -> seconds its stage took last time, or None; set by cudabuild.engine.doit_tasks.
 _expected: Callable[[str], Optional[float]] = lambda name: None
 
 

@@ -34,9 +34,9 @@ import uuid
 from typing import BinaryIO, Callable, Iterable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
-from . import console
-from .errors import InvalidRemote, one_line
-from .hashing import canonical_json
+from cudabuild.engine import console
+from cudabuild.errors import InvalidRemote, one_line
+from cudabuild.engine.hashing import canonical_json
 
 REMOTE_ENV = "CUDABUILD_REMOTE"
 KEY_ENV = "CUDABUILD_REMOTE_KEY"

@@ -1,8 +1,8 @@
 """edge: ExecuTorch's edge lowering and the CUDA backend's graph passes, as a stored program.
 
 The program handed to the AOTI backend is captured from a real `to_edge_transform_and_lower`
-(see cudabuild.delegate), its user inputs are put in the method's order (the partitioner's order
-is an accident of its topological sort: cudabuild.calling_convention), then the backend's
+(see cudabuild.backend.delegate), its user inputs are put in the method's order (the partitioner's order
+is an accident of its topological sort: cudabuild.backend.calling_convention), then the backend's
 device-independent passes run in the reference's order: view_copy -> view, int64 floordiv ->
 float, Triton op replacement (triton_kernel_mode=ON), conv1d -> conv2d. The one device-dependent
 pass (cond predicate to CPU) runs in compile, after the move to the device, where it means
@@ -11,11 +11,11 @@ something.
 
 from __future__ import annotations
 
-from .. import calling_convention, delegate
-from ..errors import CompileFailed, one_line
-from ..programs import graph_digest, graph_summary, load_program, save_program, write_summary
-from ..runner import StageResult
-from ..trace import phase
+from cudabuild.backend import calling_convention, delegate
+from cudabuild.errors import CompileFailed, one_line
+from cudabuild.backend.programs import graph_digest, graph_summary, load_program, save_program, write_summary
+from cudabuild.engine.runner import StageResult
+from cudabuild.engine.trace import phase
 
 
 def backend_passes(ep, specs: dict):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .errors import InvalidOption
-from .store import Store
+from cudabuild.errors import InvalidOption
+from cudabuild.engine.store import Store
 
 # -- sizes ---------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ compile, store writes, uploads) and a `manifest` span.
 Spans are recorded where they happen, which under `doit -n N` is several processes: each appends
 complete events to `build/<model>/<target>/.trace/<pid>.jsonl`, and the manifest task merges this
 run's events into trace.json. A lost or damaged part file loses its spans, never the build.
-Engine half; the inductor phases are reported by cudabuild.inductor_phases.
+Engine half; the inductor phases are reported by cudabuild.backend.inductor_phases.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .files import atomic_write_text
+from cudabuild.engine.files import atomic_write_text
 
 STALE_PART_SECONDS = 24 * 3600
 _CLOCK_OFFSET = time.time() - time.perf_counter()  # perf_counter, placed on the wall clock

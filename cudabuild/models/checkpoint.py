@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 
 from cudabuild.errors import CudabuildError
-from cudabuild.files import atomic_write
+from cudabuild.engine.files import atomic_write
 
 PathLike = Union[str, os.PathLike]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .errors import CompileFailed
+from cudabuild.errors import CompileFailed
 
 # The fallbacks ExecuTorch 1.4.1's CUDA runtime provides.
 CUDA_SUPPORTED = frozenset({

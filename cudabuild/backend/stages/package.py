@@ -1,10 +1,10 @@
 """package: one .pte + one .ptd for all methods, in the layout the ExecuTorch CUDA runtime reads.
 
 Each method is lowered through ExecuTorch as a stand-in with its calling convention (see
-cudabuild.standin: no weights loaded, no edge passes over the model; the same bytes), or, where a
+cudabuild.backend.standin: no weights loaded, no edge passes over the model; the same bytes), or, where a
 stand-in cannot reproduce it, as its exported program. cudabuild's backend in emit mode hands back
 the stored .so and weights blob per method, each delegate call is made to pass the method's inputs
-in the method's order, the order the .so was compiled for (cudabuild.calling_convention), and the
+in the method's order, the order the .so was compiled for (cudabuild.backend.calling_convention), and the
 delegates are renamed to the runtime's id.
 Weights blobs shared by several methods are stored once in the .ptd (named data is keyed by
 content).
@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import calling_convention, delegate, standin
-from ..errors import CompileFailed, one_line
-from ..programs import load_program
-from ..runner import StageResult
+from cudabuild.backend import calling_convention, delegate, standin
+from cudabuild.errors import CompileFailed, one_line
+from cudabuild.backend.programs import load_program
+from cudabuild.engine.runner import StageResult
 
 PTE = "model.pte"
 

@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import CudabuildError
-from .graph import Stage, plan, stage_inputs
-from .hashing import digest
+from cudabuild.errors import CudabuildError
+from cudabuild.engine.graph import Stage, plan, stage_inputs
+from cudabuild.engine.hashing import digest
 
 
 class Pending(str):
@@ -313,7 +313,7 @@ def _describe_with_graphs(c: Change, inputs: dict, predicted: dict, graphs: _Gra
 def forecast(runner) -> list[Forecast]:
     """What `doit export` would do with each stage of runner.config's build, and why; runs nothing.
 
-    `runner` is a cudabuild.runner.Runner (stamps, fingerprint, store); only its reading methods are used.
+    `runner` is a cudabuild.engine.runner.Runner (stamps, fingerprint, store); only its reading methods are used.
     """
     config, store = runner.config, runner.store
     predicted: dict[str, Optional[dict]] = {}  # stage id -> the stamp/record its dependents will read

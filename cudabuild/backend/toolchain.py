@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 
-from .hashing import stat_signature
+from cudabuild.engine.hashing import stat_signature
 
 PACKAGES = ("torch", "triton", "executorch")
 
@@ -61,7 +61,7 @@ def cheap_fingerprint(target: str) -> dict:
         "inductor_root": inductor_root(),
     }
     if target == "cuda":
-        from .cuda_env import cheap_cuda_fingerprint
+        from cudabuild.backend.cuda_env import cheap_cuda_fingerprint
 
         fp["cuda"] = cheap_cuda_fingerprint(os.environ)
     return fp
@@ -98,8 +98,8 @@ def probe(target: str) -> dict:
 
 
 def _probe_cuda(torch) -> dict:
-    from . import cuda_env
-    from .errors import NoGpu
+    from cudabuild.backend import cuda_env
+    from cudabuild.errors import NoGpu
 
     if not torch.cuda.is_available():
         raise NoGpu("target=cuda needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False); use target=cpu")
@@ -127,13 +127,13 @@ def _probe_cuda(torch) -> dict:
 
 def resolve_target(target: str, environ=os.environ) -> tuple[str, str | None]:
     """(target, note): `auto` becomes cuda when a GPU is visible, else cpu, and says which."""
-    from .errors import UnknownTarget
+    from cudabuild.errors import UnknownTarget
 
     if target in ("cpu", "cuda"):
         return target, None
     if target != "auto":
         raise UnknownTarget(f"unknown target '{target}'; expected auto, cpu or cuda")
-    from .cuda_env import gpu_present
+    from cudabuild.backend.cuda_env import gpu_present
 
     if gpu_present(environ):
         return "cuda", "target=auto: a GPU is present, building for cuda"

@@ -19,7 +19,7 @@ them in that order. Backend half; no engine code here.
 
 from __future__ import annotations
 
-from .errors import CompileFailed
+from cudabuild.errors import CompileFailed
 
 
 def delegate_call(ep, method: str):

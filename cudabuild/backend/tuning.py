@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .files import atomic_write_text
-from .hashing import digest
+from cudabuild.engine.files import atomic_write_text
+from cudabuild.engine.hashing import digest
 
 TUNING_SPECS = ("max_autotune", "autotune_pointwise", "autotune_at_compile_time")
 
@@ -70,7 +70,7 @@ def read_pins(project: Path, model: str) -> dict:
     except FileNotFoundError:
         return {}
     except ValueError:
-        from .errors import CudabuildError
+        from cudabuild.errors import CudabuildError
 
         raise CudabuildError(f"{path.relative_to(project)} is not valid JSON; fix it or delete it to re-tune") from None
 

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from doit.exceptions import TaskFailed
 
-from .errors import one_line
-from .files import atomic_write_text
+from cudabuild.errors import one_line
+from cudabuild.engine.files import atomic_write_text
 
 STATUSES = ("ran", "restored", "remote", "cached")
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .config import BuildConfig
-from .specs import specs_for_stage
-from .tuning import pinned_digest
+from cudabuild.config import BuildConfig
+from cudabuild.specs import specs_for_stage
+from cudabuild.backend.tuning import pinned_digest
 
 STAGE_VERSIONS = {"probe": 1, "export": 2, "edge": 3, "compile": 1, "package": 3, "verify": 1}
 KINDS = tuple(STAGE_VERSIONS)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ..hashing import digest
-from ..runner import StageResult
-from ..toolchain import probe
+from cudabuild.engine.hashing import digest
+from cudabuild.engine.runner import StageResult
+from cudabuild.backend.toolchain import probe
 
 
 def run(ctx) -> StageResult:

@@ -11,9 +11,9 @@ Every blob is re-hashed on its way out; one that does not match is deleted and r
 `CorruptBlob`, so callers rebuild it instead of serving it. A record is only trusted when all the
 blobs it names are present. This module imports neither torch nor executorch.
 
-With $CUDABUILD_REMOTE set, a shared tier (cudabuild.remote) sits behind this one: a record or
+With $CUDABUILD_REMOTE set, a shared tier (cudabuild.engine.remote) sits behind this one: a record or
 blob missing here is looked up there and copied in (checked against its sha256 on arrival), and
-`push` writes a new record back, its blobs first. Without it, cudabuild.remote is never imported.
+`push` writes a new record back, its blobs first. Without it, cudabuild.engine.remote is never imported.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Iterator, NamedTuple, Optional
 
 import diskcache
 
-from .errors import CacheUnwritable, CorruptBlob, MissingBlob
-from .files import atomic_write
-from .hashing import CHUNK, FileHasher, sha256_file
+from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
+from cudabuild.engine.files import atomic_write
+from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
 
 # An unnamed value file this old is a killed write's leftover, not one about to be committed.
 ORPHAN_MIN_AGE_S = 3600
@@ -52,7 +52,7 @@ def remote_from_env():
     """The shared tier $CUDABUILD_REMOTE names, or None; connects to nothing until first used."""
     if not os.environ.get("CUDABUILD_REMOTE", "").strip():
         return None
-    from .remote import from_env  # only builds that name a remote tier import it (and, later, redis)
+    from cudabuild.engine.remote import from_env  # only builds that name a remote tier import it (and, later, redis)
 
     return from_env()
 
@@ -71,7 +71,7 @@ class Store:
         except (OSError, sqlite3.Error) as e:  # SQLite writes on open: a full disk fails here
             raise CacheUnwritable(_unwritable(self.root, "opening it", e)) from e
         self.hasher = FileHasher(self.cache)
-        # The shared tier behind this one (cudabuild.remote.RedisTier); None means local only.
+        # The shared tier behind this one (cudabuild.engine.remote.RedisTier); None means local only.
         self.remote = remote_from_env()
 
     # -- blobs ---------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ class Store:
                 entries.append(json.loads(raw))
         return entries
 
-    # -- inspection and eviction (cudabuild.cache_admin, cudabuild.explain) ---------------------
+    # -- inspection and eviction (cudabuild.engine.cache_admin, cudabuild.engine.explain) ---------------------
     # These read diskcache's `Cache` table directly, so that looking does not count as a use: the
     # access_time that least-recently-used eviction orders by moves only when a build reads an entry.
 
@@ -367,7 +367,7 @@ class Store:
         raw = os.environ.get(MAX_SIZE_ENV, "").strip()
         if not raw:
             return None
-        from . import cache_admin  # cache_admin builds on Store: imported here, not at module load
+        from cudabuild.engine import cache_admin  # cache_admin builds on Store: imported here, not at module load
 
         limit = cache_admin.parse_size(raw, where=MAX_SIZE_ENV)
         if self.size() <= limit:
