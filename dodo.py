@@ -6,8 +6,8 @@
     doit -n 4 nightly models=tiny_lm,qwen_moe targets=cpu,cuda   # many builds, build/nightly.json
 """
 
-from cudabuild.engine.doit_tasks import DOIT_CONFIG, task_export, task_nightly  # noqa: F401
-from cudabuild.engine.doit_tasks import recover_doit_db
+from cudabuild.doit_tasks import DOIT_CONFIG, task_export, task_nightly  # noqa: F401
+from cudabuild.doit_tasks import recover_doit_db
 
 # doit opens .doit.db right after importing this file, before it creates any task: check it first.
 recover_doit_db()

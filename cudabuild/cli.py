@@ -4,7 +4,7 @@
     cudabuild report model=tiny_lm --last 5 --svg times.svg
     cudabuild cache stats --last 10
     cudabuild cache verify
-    cudabuild cache gc --max-size 2G --max-age 30
+    cudabuild cache gc --max-size 2G --max-age 30 [--dry-run]
 
 Building stays `doit export ...` (dodo.py). The project is $CUDABUILD_PROJECT or the current
 directory, the cache $CUDABUILD_CACHE_DIR (default ~/.cache/cudabuild). A user error is one line
@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from cudabuild.errors import CudabuildError, one_line
+from cudabuild.errors import CudabuildError, error_lines, one_line
 
 # (command, one line): what `cudabuild --help` lists.
 COMMANDS = (
@@ -82,6 +82,11 @@ def _parser() -> _Parser:
     gc.add_argument("--max-size", metavar="SIZE", help="500M, 2G (powers of 1000), 1.5GiB (of 1024), or bytes; "
                     "default $CUDABUILD_CACHE_MAX_SIZE")
     gc.add_argument("--max-age", type=_days, metavar="DAYS", help="also evict entries not used for DAYS days")
+    gc.add_argument("--dry-run", action="store_true", help="say what would be evicted and deleted; change nothing")
+    gc.add_argument("--remote", action="store_true", help="bound the shared tier's object store instead, to --max-size: "
+                    "evict its least-recently-used blobs that no record younger than --keep-days names")
+    gc.add_argument("--keep-days", type=_days, default=7.0, metavar="DAYS",
+                    help="with --remote: blobs named by records younger than DAYS days are kept (default 7)")
     return parser
 
 
@@ -161,10 +166,16 @@ def cmd_report(args) -> int:
 
 def cmd_cache(args) -> int:
     from cudabuild.engine import cache_admin
-    from cudabuild.engine.store import MAX_SIZE_ENV, Store
+    from cudabuild.engine.cache_admin import MAX_SIZE_ENV
+    from cudabuild.engine.store import Store
 
     if args.cache_command is None:
         raise UsageError("cache needs a command: stats, verify or gc (see cudabuild cache --help)")
+    if args.cache_command == "gc" and args.remote:
+        from cudabuild.engine import s3_gc
+
+        print("\n".join(s3_gc.command(args.max_size, args.keep_days, args.dry_run)))
+        return 0
     if args.cache_command == "gc":
         raw = args.max_size or os.environ.get(MAX_SIZE_ENV, "").strip() or None
         max_bytes = cache_admin.parse_size(raw, "--max-size" if args.max_size else MAX_SIZE_ENV) if raw else None
@@ -174,12 +185,16 @@ def cmd_cache(args) -> int:
     try:
         if args.cache_command == "stats":
             lines = cache_admin.stats(store, args.last).lines(store.root)
+            if store.remote is not None:  # the shared tier: where it is and what it holds
+                from cudabuild.engine.remote import describe
+
+                lines += describe(store.remote)
             status = 0
         elif args.cache_command == "verify":
             report = cache_admin.verify(store, _project())
             lines, status = report.lines(), 0 if report.clean else 1
         else:
-            lines, status = cache_admin.gc(store, _project(), max_bytes, args.max_age).lines(), 0
+            lines, status = cache_admin.gc(store, _project(), max_bytes, args.max_age, dry_run=args.dry_run).lines(), 0
     finally:
         store.close()
     print("\n".join(lines))
@@ -197,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as e:  # --help, which argparse ends with exit(0)
         return e.code if isinstance(e.code, int) else 0
     except CudabuildError as e:
-        print(f"cudabuild: error: {one_line(e)}", file=sys.stderr)
+        for line in error_lines(e):
+            print(f"cudabuild: error: {line}", file=sys.stderr)
         if os.environ.get("CUDABUILD_VERBOSE"):
             traceback.print_exc()
         return 2

@@ -2,8 +2,8 @@
 
 `doit export model=NAME target=cpu size=tiny max_autotune=ON decode.low_memory_mode=ON`:
 `model` and `target` pick the build; a spec key (or `METHOD.KEY`) overrides a compile spec; any
-other name must be one of the recipe's options. Every problem is reported at once, on one line,
-before anything runs or enters the cache.
+other name must be one of the recipe's options. Every problem is reported at once (InvalidConfig,
+one line per problem), before anything runs or enters the cache.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from cudabuild import registry
-from cudabuild.errors import InvalidOption
-from cudabuild.specs import SPEC_TABLE, resolve_method_specs
+from cudabuild.errors import InvalidOption, UnknownTarget
+from cudabuild.specs import SPEC_TABLE, merge_method_specs
 from cudabuild.backend.toolchain import resolve_target
 
 DEFAULT_MODEL = "qwen_moe"
@@ -48,35 +48,65 @@ class BuildConfig:
         return Path(value).expanduser().resolve() if value else None
 
 
-def _coerce(name: str, default: Any, raw: str) -> Any:
-    if isinstance(default, bool):
-        if str(raw).lower() in ("1", "true", "on", "yes"):
-            return True
-        if str(raw).lower() in ("0", "false", "off", "no"):
-            return False
-        raise InvalidOption(f"option {name}={raw} is not a boolean (use true/false)")
-    if isinstance(default, int):
-        try:
-            return int(raw)
-        except ValueError:
-            raise InvalidOption(f"option {name}={raw} is not an integer") from None
-    if isinstance(default, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise InvalidOption(f"option {name}={raw} is not a number") from None
-    return str(raw)
+class InvalidConfig(InvalidOption):
+    """Every problem of one build's settings. `problems` holds one line each; str() joins them on
+    one line, so a printer that shows one line still shows them all."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+_TYPES = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "''" if value == "" else str(value)
+
+
+def _coerce(model: str, name: str, default: Any, raw: str, choices: Optional[list] = None) -> Any:
+    """`raw` as the type of the option's default; InvalidOption naming the model, the option, the
+    type expected and the default."""
+    kind = type(default)
+    value: Any = str(raw)
+    try:
+        if kind is bool:
+            lowered = str(raw).lower()
+            if lowered not in ("1", "true", "on", "yes", "0", "false", "off", "no"):
+                raise ValueError(raw)
+            value = lowered in ("1", "true", "on", "yes")
+        elif kind in (int, float):
+            value = kind(raw)
+    except ValueError:
+        raise InvalidOption(f"{model} option {name}={raw}: expected {_TYPES[kind]} (default {_shown(default)})") from None
+    if choices is not None and value not in choices:
+        raise InvalidOption(f"{model} option {name}={raw}: expected one of {', '.join(map(str, choices))} "
+                            f"(default {_shown(default)})")
+    return value
 
 
 def load_config(project: Path, cli: Mapping[str, str], store) -> BuildConfig:
-    """Merge the command line (`name=value` pairs) with the recipe's declarations."""
+    """Merge the command line (`name=value` pairs) with the recipe's declarations.
+
+    Every problem is collected first (unknown names, option types and choices, specs, the
+    checkpoint folder, autotune), then raised together as one InvalidConfig; the recipe's
+    `resolve` runs only on settings without problems.
+    """
     model = cli.get("model") or DEFAULT_MODEL
-    target, note = resolve_target(cli.get("target") or "auto")
     description = registry.describe(project, model, store)
+    problems: list[str] = []
+    try:
+        target, note = resolve_target(cli.get("target") or "auto")
+    except UnknownTarget as e:
+        target, note = None, None
+        problems.append(str(e))
 
     overrides: dict[str, str] = {}
-    options = dict(description["options"])
-    problems: list[str] = []
+    defaults = description["options"]
+    choices = description.get("choices", {})
+    options = dict(defaults)
     for name, value in cli.items():
         if name in RESERVED:
             continue
@@ -85,7 +115,7 @@ def load_config(project: Path, cli: Mapping[str, str], store) -> BuildConfig:
             overrides[name] = value
         elif name in options:
             try:
-                options[name] = _coerce(name, description["options"][name], value)
+                options[name] = _coerce(model, name, defaults[name], value, choices.get(name))
             except InvalidOption as e:
                 problems.append(str(e))
         else:
@@ -93,16 +123,20 @@ def load_config(project: Path, cli: Mapping[str, str], store) -> BuildConfig:
                 f"unknown setting '{name}' for model {model}; recipe options: {', '.join(sorted(options)) or 'none'}; "
                 f"specs: {', '.join(sorted(SPEC_TABLE))} (or METHOD.SPEC)"
             )
-    if problems:
-        raise InvalidOption("; ".join(problems))
     checkpoint = options.get("checkpoint")
     if checkpoint and not os.path.isdir(os.path.expanduser(checkpoint)):
-        raise InvalidOption(f"checkpoint directory {checkpoint} does not exist")
+        problems.append(f"checkpoint directory {checkpoint} does not exist")
 
-    specs = resolve_method_specs(
-        target, description["methods"], description["specs"], description["method_specs"], overrides
-    )
+    specs: dict = {}
+    if target is not None:
+        specs, spec_problems = merge_method_specs(
+            target, description["methods"], description["specs"], description["method_specs"], overrides
+        )
+        problems.extend(spec_problems)
     autotune = cli.get("autotune") or "auto"
     if autotune not in ("auto", "pin"):
-        raise InvalidOption(f"autotune={autotune}: expected auto or pin")
+        problems.append(f"autotune={autotune}: expected auto or pin")
+    if problems:
+        raise InvalidConfig(problems)
+    options = registry.resolve_options(project, description, options, store)
     return BuildConfig(project, model, target, options, specs, description, note, autotune)

@@ -5,6 +5,10 @@ cache entry) is a `CudabuildError`; the command line prints `str(error)` alone, 
 with CUDABUILD_VERBOSE=1. Anything else reaching the top is a bug in cudabuild.
 """
 
+from __future__ import annotations
+
+from typing import Optional
+
 
 class CudabuildError(Exception):
     """A failure with a one-line, actionable message."""
@@ -47,7 +51,18 @@ class NoGpu(CudabuildError):
 
 
 class CorruptBlob(CudabuildError):
-    """A stored blob no longer matches its sha256; it has been dropped and will be rebuilt."""
+    """A stored blob no longer matches its sha256; it has been dropped and will be rebuilt.
+
+    `name` is the file the blob was being copied to, when there was one.
+    """
+
+    def __init__(self, sha: str, name: Optional[str] = None):
+        self.sha, self.name = sha, name
+        blob = f"cached blob {sha[:12]}" + (f" for {name}" if name else "")
+        super().__init__(f"{blob} failed its sha256 check; dropped, it will be rebuilt")
+
+    def __reduce__(self):  # pickled with its arguments, not its message (doit's parallel workers)
+        return type(self), (self.sha, self.name)
 
 
 class MissingBlob(CudabuildError):
@@ -69,3 +84,10 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, CudabuildError):
         return first
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def error_lines(exc: BaseException) -> list[str]:
+    """What to print for an error: one line per problem it carries (a config with several wrong
+    settings says each), else its one line."""
+    problems = getattr(exc, "problems", None)
+    return [str(p) for p in problems] if problems else [one_line(exc)]

@@ -36,13 +36,20 @@ class Recipe:
 
     `build(options)` returns the eager `torch.nn.Module`; `options` holds the recipe's defaults
     merged with command-line values (`size=35b-a3b layers=4 checkpoint=DIR`), coerced to the type
-    of each default (a default of None takes strings). `constant_methods(model)` returns the
-    metadata methods written into the .pte (ints, floats, strings, lists of them).
+    of each default (a default of None takes strings), then passed through `resolve` when given.
+    `constant_methods(model)` returns the metadata methods written into the .pte (ints, floats,
+    strings, lists of them).
     """
 
     build: Callable[[Mapping[str, Any]], Any]
     methods: tuple[Method, ...]
     options: Mapping[str, Any] = field(default_factory=dict)
+    # The values an option accepts, e.g. {"size": ("tiny", "35b-a3b")}: checked with the command line.
+    choices: Mapping[str, tuple] = field(default_factory=dict)
+    # `resolve(options)` fills in options whose value follows from others (a length read from the
+    # checkpoint's config.json) and refuses what cannot be built, before any stage runs; what it
+    # returns is what the keys and the manifest hold. It may read the checkpoint's config.json only.
+    resolve: Optional[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = None
     specs: TargetSpecs = field(default_factory=dict)
     constant_methods: Optional[Callable[[Any], Mapping[str, Any]]] = None
     # Per-dtype verify tolerance overrides, e.g. {"float32": 1e-4}.

@@ -5,7 +5,8 @@ when nothing changed.
 module it imports, found statically (an AST walk, transitively), so a no-op build can check them
 by stat alone. Its *description* (method names, declared specs, option defaults) needs the recipe
 imported, which imports torch; it is memoised in the store under the sources' content hashes and
-recomputed only when one of them changes.
+recomputed only when one of them changes. So is what a recipe's `resolve` makes of the options (also
+keyed by the options and the checkpoint's config.json).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cudabuild.errors import RecipeError, UnknownModel
 from cudabuild.engine.hashing import FileHasher, digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
-DESCRIPTION_VERSION = 1
+DESCRIPTION_VERSION = 2
 
 
 def recipes_dir(project: Path) -> Path:
@@ -142,9 +143,30 @@ def describe(project: Path, model: str, store) -> dict:
         "sources": sources,
         "methods": [m.name for m in recipe.methods],
         "options": dict(recipe.options),
+        "choices": {name: list(values) for name, values in recipe.choices.items()},
+        "resolves": recipe.resolve is not None,
         "specs": {t: dict(v) for t, v in recipe.specs.items()},
         "method_specs": {m.name: {t: dict(v) for t, v in m.specs.items()} for m in recipe.methods},
         "tolerances": dict(recipe.tolerances),
     }
     store.put_json(memo_key, description)
     return description
+
+
+def resolve_options(project: Path, description: dict, options: dict, store) -> dict:
+    """The recipe's `resolve(options)`, memoised in the store by the sources, the options and the
+    checkpoint's config.json (by content), so a no-op build still imports no torch."""
+    if not description.get("resolves"):
+        return options
+    model = description["model"]
+    checkpoint = options.get("checkpoint")
+    config = Path(str(checkpoint)).expanduser() / "config.json" if checkpoint else None
+    memo_key = f"options:{model}:" + digest({
+        "v": DESCRIPTION_VERSION, "sources": description["sources"], "options": options,
+        "config": store.hasher(config) if config is not None and config.is_file() else None,
+    })
+    resolved = store.get_json(memo_key)
+    if resolved is None:
+        resolved = dict(load_recipe(project, model).resolve(dict(options)))
+        store.put_json(memo_key, resolved)
+    return {name: resolved[name] for name in options}  # in the order given, memo or not

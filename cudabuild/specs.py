@@ -59,20 +59,29 @@ def _problems(key: str, value: str, target: str, where: str) -> list[str]:
     return []
 
 
-def resolve_method_specs(
+def resolve_method_specs(*args) -> dict[str, dict[str, str]]:
+    """merge_method_specs(...)'s merged specs; its problems raised together as one InvalidSpec."""
+    merged, problems = merge_method_specs(*args)
+    if problems:
+        raise InvalidSpec("; ".join(problems))
+    return merged
+
+
+def merge_method_specs(
     target: str,
     methods: list[str],
     recipe_specs: Mapping[str, Mapping[str, str]],
     method_specs: Mapping[str, Mapping[str, Mapping[str, str]]],
     overrides: Mapping[str, str],
-) -> dict[str, dict[str, str]]:
-    """Merge specs for each method and validate them all; raise one InvalidSpec listing every problem.
+) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Merge specs for each method and validate them all: (merged, every problem, one line each).
 
     `recipe_specs` is {target|"all": {key: value}}, `method_specs` is {method: {target|"all": {...}}},
     `overrides` is the command line's {"key": v, "method.key": v}.
     """
     problems: list[str] = []
     merged: dict[str, dict[str, str]] = {}
+    broken_rules: dict[str, list[str]] = {}  # a target rule's message -> the methods that break it
     for name, raw in overrides.items():
         method, _, key = name.rpartition(".")
         if method and method not in methods:
@@ -95,26 +104,29 @@ def resolve_method_specs(
                     problems.extend(p for p in found if p not in problems)
                     continue
                 specs[key] = normalize(key, value)
-        problems.extend(p for p in _target_rules(specs, target, method) if p not in problems)
+        for rule in _target_rules(specs, target):
+            broken_rules.setdefault(rule, []).append(method)
         merged[method] = dict(sorted(specs.items()))
-    if problems:
-        raise InvalidSpec("; ".join(problems))
-    return merged
+    # One line per broken rule, naming every method that breaks it (one mistake, one line).
+    for rule, names in broken_rules.items():
+        problems.append(rule.format(where=f"method {names[0]}" if len(names) == 1 else f"methods {', '.join(names)}"))
+    return merged, problems
 
 
-def _target_rules(specs: Mapping[str, str], target: str, method: str) -> list[str]:
+def _target_rules(specs: Mapping[str, str], target: str) -> list[str]:
+    """The target's rules these specs break, each a message with `{where}` for the methods."""
     found = []
     if target == "cpu" and specs.get("triton_kernel_mode") == "ON":
-        found.append(f"triton_kernel_mode=ON needs target=cuda (method {method}): ExecuTorch's Triton kernels take CUDA tensors only")
+        found.append("triton_kernel_mode=ON needs target=cuda ({where}): ExecuTorch's Triton kernels take CUDA tensors only")
     if target == "cpu" and specs.get("platform") == "windows":
-        found.append(f"platform=windows needs target=cuda (method {method})")
+        found.append("platform=windows needs target=cuda ({where})")
     if target == "cuda" and specs.get("max_autotune") == "OFF":
         # Without autotuning inductor has no Triton choice for a GEMM or a convolution and calls
         # ATen's (mm_out, bmm_out, convolution: measured on the H200), which the runtime lacks.
-        found.append(f"max_autotune=OFF is not supported on target=cuda (method {method}): inductor would call ATen "
+        found.append("max_autotune=OFF is not supported on target=cuda ({where}): inductor would call ATen "
                      "GEMM and convolution kernels, which ExecuTorch's CUDA runtime does not provide")
     if "shim_library_path" in specs and specs.get("platform") != "windows":
-        found.append(f"shim_library_path is for platform=windows only (method {method})")
+        found.append("shim_library_path is for platform=windows only ({where})")
     return found
 
 

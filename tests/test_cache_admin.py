@@ -1,17 +1,22 @@
-"""cudabuild.engine.cache_admin and Store.enforce_limit: sizes, stats over real logged builds, gc that keeps
+"""cudabuild.engine.cache_admin: sizes, enforce_limit, stats over real logged builds, gc that keeps
 what build/ references, and verify that finds a damaged blob (see _fixtures_cli for the builds)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 from _fixtures_cli import BUILD, scripted_builds, tiny_lm_build
+from cudabuild.cli import main
 from cudabuild.engine import cache_admin
 from cudabuild.errors import InvalidOption
+from cudabuild.engine.stamp import Stamp
 from cudabuild.engine.store import Store
 
 MiB = 2**20
@@ -97,6 +102,51 @@ def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_
     assert "ran 0, restored 0, cached 10" in summary
 
 
+def test_gc_dry_run_changes_nothing_and_reports_what_gc_then_does(tmp_path, monkeypatch, capsys):
+    # No build needed: one stamp under build/ pins a blob and its record, the rest is planted.
+    monkeypatch.delenv("CUDABUILD_REMOTE", raising=False)
+    monkeypatch.setenv("CUDABUILD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUDABUILD_PROJECT", str(tmp_path / "project"))
+    store = Store(tmp_path / "cache")
+    try:
+        pinned = store.put_bytes(os.urandom(MiB))
+        store.put_record("pinned", {"stage": "package", "digest": "d", "outputs": {"model.pte": pinned}})
+        stamps = tmp_path / "project" / "build" / "m" / "cpu" / ".stamps"
+        stamps.mkdir(parents=True)
+        Stamp(key="pinned", inputs={}, digest="d", outputs={"model.pte": pinned}).save(stamps / "package.json")
+        oldest, middle, newest = plant(store, 3, MiB)
+        store.put_record("names-middle", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
+        orphan = Path(store.cache.directory) / "0f" / "0f" / "killed-write.val"  # diskcache's layout
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"x" * 1000)
+        os.utime(orphan, (time.time() - 7200, time.time() - 7200))
+        limit = store.size() - MiB - MiB // 2  # two of the three planted blobs must go
+
+        def contents():
+            return sorted(store.entries("blob:") + store.entries("rec:")), orphan.exists()
+
+        before = contents()
+        would = cache_admin.gc(store, tmp_path / "project", max_bytes=limit, dry_run=True)
+        assert contents() == before, "a dry run evicts, drops and deletes nothing, and uses no entry"
+        assert main(["cache", "gc", "--dry-run", "--max-size", str(limit)]) == 0
+        assert capsys.readouterr().out.splitlines() == would.lines()
+        assert contents() == before
+
+        did = cache_admin.gc(store, tmp_path / "project", max_bytes=limit)
+        assert dataclasses.replace(would, dry_run=False) == did
+        assert (did.evicted_blobs, did.evicted_records, did.dangling_records, did.orphan_files) == (2, 0, 1, 1)
+        assert [store.has_blob(sha) for sha in (pinned, oldest, middle, newest)] == [True, False, False, True]
+        assert store.peek_record("names-middle") is None and not orphan.exists() and did.size_after == store.size()
+    finally:
+        store.close()
+    assert would.lines()[0].startswith("would evict 2 blobs and 0 records (2.0 MiB), least recently used first; "
+                                       "would drop 1 record left without their blobs")
+    assert would.lines()[1].startswith("store would be ") and "; would keep 1 blob (1.0 MiB) that 1 stamp" in would.lines()[1]
+    assert would.lines()[2] == "would delete 1 orphaned file (1000 B) that killed cache writes left behind"
+    assert did.lines()[0].startswith("evicted 2 blobs and 0 records (2.0 MiB), least recently used first; dropped 1 record")
+    assert did.lines()[2] == "deleted 1 orphaned file (1000 B) that killed cache writes left behind"
+
+
 @pytest.mark.slow
 def test_gc_max_age_and_enforce_limit_spare_pinned_entries(tmp_path_factory, tmp_path, monkeypatch):
     clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
@@ -111,17 +161,17 @@ def test_gc_max_age_and_enforce_limit_spare_pinned_entries(tmp_path_factory, tmp
         pinned_bytes = store.size()
         plant(store, 3, MiB)
         monkeypatch.delenv("CUDABUILD_CACHE_MAX_SIZE", raising=False)
-        assert store.enforce_limit(clone.root) is None and store.size() > pinned_bytes + 3 * MiB - 1
+        assert cache_admin.enforce_limit(store, clone.root) is None and store.size() > pinned_bytes + 3 * MiB - 1
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", str(pinned_bytes + 2 * MiB))
-        report = store.enforce_limit(clone.root)
+        report = cache_admin.enforce_limit(store, clone.root)
         assert report.evicted_blobs == 1 and store.size() <= pinned_bytes + 2 * MiB
-        assert store.enforce_limit(clone.root) is None  # under the limit now: nothing to do
+        assert cache_admin.enforce_limit(store, clone.root) is None  # under the limit now: nothing to do
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "0")
-        store.enforce_limit(clone.root)
+        cache_admin.enforce_limit(store, clone.root)
         assert store.size() == pinned_bytes and all(store.has_blob(sha) for sha in pins.blobs)
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "lots")
         with pytest.raises(InvalidOption, match="^CUDABUILD_CACHE_MAX_SIZE 'lots' is not a size"):
-            store.enforce_limit(clone.root)
+            cache_admin.enforce_limit(store, clone.root)
     finally:
         store.close()
 

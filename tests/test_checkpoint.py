@@ -14,6 +14,7 @@ from cudabuild.models import checkpoint as ck
 from cudabuild.models.checkpoint import CheckpointError
 from cudabuild.errors import CudabuildError
 from cudabuild.models import qwen_moe as qm
+from cudabuild.models import qwen_moe_hf as qhf
 
 ARGS = qm.SIZES["tiny"]
 PREFIX = "model.language_model."
@@ -26,16 +27,16 @@ def source():
 
 def write(path, source, fused=False, shards=2, edit=None, tie=False):
     """A Hugging Face checkpoint of `source` at `path`; `edit(tensors)` may change it first."""
-    tensors = ck.gather_tensors(source, qm.hf_targets(ARGS, PREFIX, fused_experts=fused))
+    tensors = ck.gather_tensors(source, qhf.hf_targets(ARGS, PREFIX, fused_experts=fused))
     tensors["mtp.fc.weight"] = torch.zeros(2, 2)  # a part of real checkpoints the text model skips
     if edit:
         edit(tensors)
-    ck.save_checkpoint(path, tensors, qm.hf_config(ARGS, torch.float32), shards=shards)
+    ck.save_checkpoint(path, tensors, qhf.hf_config(ARGS, torch.float32), shards=shards)
     return path
 
 
 def load(path, n_layers=0):
-    return qm.from_checkpoint(path, max_seq_len=ARGS.max_seq_len, chunk=ARGS.chunk, n_layers=n_layers)
+    return qhf.from_checkpoint(path, max_seq_len=ARGS.max_seq_len, chunk=ARGS.chunk, n_layers=n_layers)
 
 
 def logits(model, tokens):
@@ -80,6 +81,23 @@ def test_header_layout_is_the_documented_one(tmp_path):
     assert len(raw) == 8 + n + 16
 
 
+def test_files_the_safetensors_library_writes_are_read(tmp_path):
+    from safetensors.torch import save_file as library_save
+
+    tensors = {"w": torch.randn(4, 3, dtype=torch.bfloat16), "b": torch.arange(5, dtype=torch.int32)}
+    library_save(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
+    back = ck.load_file(tmp_path / "lib.safetensors")
+    assert set(back) == set(tensors) and all(torch.equal(back[n], t) for n, t in tensors.items())
+
+
+def test_a_file_the_library_refuses_is_named_in_one_line(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage!" * 2)
+    with pytest.raises(CheckpointError) as info:
+        ck.load_file(bad)
+    assert str(info.value).startswith(f"{bad}: truncated safetensors file") and "\n" not in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading a Hugging Face checkpoint
 
@@ -113,6 +131,19 @@ def test_bf16_checkpoint_loads_into_a_bf16_model(tmp_path, source):
     assert model.tok_embeddings.weight.dtype == torch.bfloat16
     assert model.layers[0].attn.A_log.dtype == torch.float32  # kept in fp32 whatever the checkpoint
     assert torch.equal(model.layers[0].moe.w_gate_up, source.layers[0].moe.w_gate_up.bfloat16())
+
+
+def test_config_fields_that_change_the_numbers_reach_the_model(tmp_path, source):
+    path = write(tmp_path / "yarn", source)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 32}  # no partial_rotary_factor: 0.25
+    config["hidden_act"] = "gelu_pytorch_tanh"
+    (path / "config.json").write_text(json.dumps(config))
+    args = load(path).args
+    assert (args.rope_type, args.rope_factor, args.rope_original_max, args.rope_fraction) == ("yarn", 4.0, 32, 0.25)
+    assert args.hidden_act == "gelu_pytorch_tanh"
+    assert not torch.equal(logits(load(path), TOKENS), logits(source, TOKENS))
 
 
 def test_layer_cut_reads_only_the_first_layers(sharded, source):

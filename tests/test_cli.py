@@ -57,6 +57,14 @@ def test_errors_are_one_line_with_status_2(args, message, tmp_path):
     assert message in done.stderr
 
 
+def test_every_config_problem_is_reported_with_status_2(tmp_path):
+    done = run(["explain", "model=tiny_lm", "target=cpu", "sizee=1", "max_autotune=MAYBE"], tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cudabuild: error: ")]
+    for problem in ("unknown setting 'sizee' for model tiny_lm", "invalid value max_autotune=MAYBE"):
+        assert any(problem in line for line in errors), done.stderr
+
+
 def test_main_returns_the_status_in_process(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("CUDABUILD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CUDABUILD_PROJECT", raising=False)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_build_output
+from conftest import REPO, tiny_build_output, broken_recipe_text
 
 from cudabuild.engine import console
 from cudabuild.engine.reporter import LiveProgress, PlainProgress, live_terminal
@@ -35,9 +35,7 @@ def test_a_builds_console_holds_no_third_party_output_and_its_logs_do(built_tiny
 
 def test_a_failing_stage_shows_its_log_and_the_lines_that_matter(project):
     broken = project.root / "recipes" / "broken_lm.py"
-    text = (project.root / "recipes" / "tiny_lm.py").read_text()
-    text = text.replace("        T = tokens.shape[1]\n        x = self.embed(tokens)",
-                        "        T = tokens.shape[1]\n        if tokens.sum() > 0:\n            tokens = tokens + 0\n        x = self.embed(tokens)")
+    text = broken_recipe_text(project)
     text = text.replace("    torch.manual_seed(options[\"seed\"])\n",
                         "    torch.manual_seed(options[\"seed\"])\n    print('building broken_lm, seed', options['seed'])\n"
                         "    import warnings; warnings.warn('a third-party warning', FutureWarning)\n")

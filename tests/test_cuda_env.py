@@ -32,12 +32,17 @@ def make_install(root: Path, content: str = "ptxas") -> Path:
     return ptxas
 
 
+def two_installs(root: Path) -> Path:
+    """`root/cuda-12.8` and `root/cuda-12.6`."""
+    make_install(root / "cuda-12.8")
+    make_install(root / "cuda-12.6")
+    return root
+
+
 @pytest.fixture
 def prefix(tmp_path: Path) -> Path:
     """`<prefix>/cuda-12.8`, `<prefix>/cuda-12.6` and `<prefix>/cuda -> cuda-12.8`."""
-    root = tmp_path / "usr_local"
-    make_install(root / "cuda-12.8")
-    make_install(root / "cuda-12.6")
+    root = two_installs(tmp_path / "usr_local")
     (root / "cuda").symlink_to(root / "cuda-12.8")
     return root
 
@@ -45,10 +50,7 @@ def prefix(tmp_path: Path) -> Path:
 @pytest.fixture
 def elsewhere(tmp_path: Path) -> Path:
     """Installs outside the prefix, for the steps after the versioned path."""
-    root = tmp_path / "opt"
-    make_install(root / "cuda-12.8")
-    make_install(root / "cuda-12.6")
-    return root
+    return two_installs(tmp_path / "opt")
 
 
 def test_parse_cuda_version():

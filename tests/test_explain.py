@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from _fixtures_cli import BUILD, SPEC_CHANGE, scripted_builds, tiny_lm_build
-from cudabuild.engine.explain import Pending, graph_difference, predict_probe_value, reason
+from cudabuild.backend.toolchain import predict_probe_value
+from cudabuild.engine.explain import Pending, graph_difference, reason
 
 EDGE = {"stage": "edge", "version": 1, "target": "cpu", "method": "decode", "graph": "a" * 64,
         "specs": {"triton_kernel_mode": "OFF"}, "toolchain": {"torch": "2.13.0", "triton": "3.6.0"}}
@@ -90,11 +91,11 @@ def test_probe_prediction_matches_a_real_probe(monkeypatch):
     """explain predicts probe's report from the cheap fingerprint; it must agree with toolchain.probe."""
     from cudabuild.backend.toolchain import cheap_fingerprint, probe
 
-    last = {"inputs": {"fingerprint": cheap_fingerprint("cpu")}, "value": probe("cpu")}
+    last_value, last_fingerprint = probe("cpu"), cheap_fingerprint("cpu")
     monkeypatch.setenv("TORCHINDUCTOR_FOO", "1")
-    assert predict_probe_value(last, cheap_fingerprint("cpu")) == probe("cpu")
+    assert predict_probe_value(last_value, last_fingerprint, cheap_fingerprint("cpu")) == probe("cpu")
     # Without a last report, what probe measures itself (torch, compiler) is not predicted.
-    assert isinstance(predict_probe_value(None, cheap_fingerprint("cpu"))["compiler"], Pending)
+    assert isinstance(predict_probe_value(None, None, cheap_fingerprint("cpu"))["compiler"], Pending)
 
 
 # -- cudabuild explain on a real build -----------------------------------------------------------
@@ -142,14 +143,14 @@ def test_wiped_build_is_restorable_from_cache(tmp_path_factory, tmp_path):
 @pytest.mark.slow
 def test_graph_change_names_the_first_differing_node_and_the_source(tmp_path_factory, tmp_path):
     clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
-    recipe = clone.root / "recipes" / "tiny_lm.py"
-    recipe.write_text(recipe.read_text().replace("F.silu(", "F.gelu("))
+    model = clone.root / "cudabuild" / "models" / "tiny_lm.py"
+    model.write_text(model.read_text().replace("F.silu(", "F.gelu("))
     clone.run("-m", "doit", "export:export.decode", *BUILD)  # export runs for decode only; edge has not seen it yet
     said = clone.explain()
     assert said["export.decode"] == "up to date"
     assert said["edge.decode"].startswith("will run because the exported graph of decode changed: first difference at node ")
     assert said["edge.decode"].endswith(": call_function aten.silu.default -> call_function aten.gelu.default")
-    assert said["export.prefill"] == "will run because source recipes/tiny_lm.py changed"
+    assert said["export.prefill"] == "will run because source cudabuild/models/tiny_lm.py changed"
     assert said["edge.prefill"] == "will run if export.prefill changes its result (early cutoff may stop it)"
 
 

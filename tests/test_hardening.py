@@ -365,10 +365,11 @@ def _checkpoint(folder, damage):
 
     from cudabuild.models import checkpoint as ck
     from cudabuild.models import qwen_moe as qm
+    from cudabuild.models import qwen_moe_hf as qhf
 
     args = qm.SIZES["tiny"]
-    tensors = ck.gather_tensors(qm.build(args, seed=0), qm.hf_targets(args, fused_experts=False))
-    ck.save_checkpoint(folder, tensors, qm.hf_config(args, torch.float32))
+    tensors = ck.gather_tensors(qm.build(args, seed=0), qhf.hf_targets(args, fused_experts=False))
+    ck.save_checkpoint(folder, tensors, qhf.hf_config(args, torch.float32))
     if damage == "no-config":
         (folder / "config.json").unlink()
     else:

@@ -16,6 +16,7 @@ from cudabuild.backend.lowmem import (
     move_program_to_device,
     release_device_tensors,
 )
+from cudabuild.errors import CudabuildError
 
 PATCHED = [
     (compile_fx, "clone_preserve_strides"),
@@ -46,9 +47,11 @@ def test_kv_selection_rule():
 
 def test_patches_are_undone_after_success_after_an_exception_and_when_nested():
     originals = current_patch_targets()
+    unlift = compile_fx._unlift_graph  # wrapped, to tell its clones from every other caller's
     with compile_time_cpu_clones("cpu"):
         inside = current_patch_targets()
         assert all(p is not o for p, o in zip(inside, originals))
+        assert compile_fx._unlift_graph is not unlift
         with compile_time_cpu_clones(torch.device("cpu")):
             assert current_patch_targets() == inside
         assert current_patch_targets() == inside
@@ -57,19 +60,24 @@ def test_patches_are_undone_after_success_after_an_exception_and_when_nested():
                 pass
         assert current_patch_targets() == inside
     assert all(p is o for p, o in zip(current_patch_targets(), originals))
+    assert compile_fx._unlift_graph is unlift
 
     with pytest.raises(RuntimeError, match="inside"):
         with compile_time_cpu_clones("cpu"):
             raise RuntimeError("raised inside")
     assert all(p is o for p, o in zip(current_patch_targets(), originals))
+    assert compile_fx._unlift_graph is unlift
 
 
 def test_a_moved_inductor_function_fails_loudly_and_patches_nothing(monkeypatch):
     originals = current_patch_targets()
     monkeypatch.delattr(compile_fx, "_unlift_graph")
-    with pytest.raises(LowMemoryPatchError, match="_unlift_graph"):
+    with pytest.raises(LowMemoryPatchError, match="_unlift_graph") as raised:
         with compile_time_cpu_clones("cpu"):
             pass
+    # A CudabuildError: the build reports its one line, not a traceback.
+    assert isinstance(raised.value, CudabuildError) and "\n" not in str(raised.value)
+    assert "low_memory_mode=OFF" in str(raised.value)
     assert all(p is o for p, o in zip(current_patch_targets(), originals))
 
 
@@ -84,15 +92,31 @@ def test_emptied_tensors_are_never_the_same_but_equal_views_still_are():
         assert not graph.is_same_tensor(base, base.clone())
 
 
-def _unlift_graph(x):
-    """Calls the patched clone the way inductor's _unlift_graph does (selected by caller name)."""
-    return compile_fx.clone_preserve_strides(x)
+class OneBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv_cache", torch.zeros(4, 6))
+
+    def forward(self, x):
+        self.kv_cache.add_(x)
+        return self.kv_cache.sum()
+
+
+def unlift_clone(buffer: torch.Tensor) -> torch.Tensor:
+    """The initial-value copy inductor's own _unlift_graph makes of a module's buffer `buffer`."""
+    module = OneBuffer()
+    ep = torch.export.export(module, (torch.randn(4, 6),))
+    module.kv_cache = buffer
+    gm = ep.graph_module
+    compile_fx._unlift_graph(module, gm, ep.graph_signature)
+    (clone,) = [v for v in gm.meta.values() if isinstance(v, torch.Tensor)]
+    return clone
 
 
 def test_unlift_clones_rebuild_freed_buffers_as_zeros_and_other_callers_are_untouched():
     freed = emptied(4, 6, stride=(1, 4))  # column-major: strides must survive
     with compile_time_cpu_clones("cpu"):
-        clone = _unlift_graph(freed)
+        clone = unlift_clone(freed)
         assert clone.shape == freed.shape and clone.stride() == (1, 4)
         assert clone.device.type == "cpu" and not clone.any()
         with pytest.raises(RuntimeError):  # a benchmark clone gets the stock behaviour

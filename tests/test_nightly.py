@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cudabuild.engine.doit_tasks import requested
+from cudabuild.doit_tasks import requested
 
 BROKEN_RECIPE = '''"""broken: a recipe whose model cannot be built."""
 from cudabuild.recipe import Method, Recipe

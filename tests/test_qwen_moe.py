@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from cudabuild import registry
 from cudabuild.errors import InvalidOption
 from cudabuild.models import qwen_moe as qm
+from cudabuild.models import qwen_moe_hf as qhf
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 37  # spans five delta-rule chunks of the tiny size (chunk 8)
@@ -32,10 +33,35 @@ def _norm(x, w, eps, offset=True):
     return y * (1.0 + w) if offset else y * w
 
 
-def _rope(x, pos, R, theta):  # x [T, h, Dh]; the rotate-half form of Hugging Face
-    inv = 1.0 / theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+def _inv_freq(a):
+    """Hugging Face's _compute_{default,linear,yarn}_parameters, in float64: (inv_freq, cos/sin factor)."""
+    R, base = a.rope_dim, a.rope_theta
+    pos_freqs = base ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+    if a.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    if a.rope_type == "linear":
+        return 1.0 / pos_freqs / a.rope_factor, 1.0
+    assert a.rope_type == "yarn"
+    def find_correction_dim(num_rotations):
+        return (R * math.log(a.rope_original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+    low, high = find_correction_dim(a.rope_beta_fast), find_correction_dim(a.rope_beta_slow)
+    if a.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    if low == high:
+        high += 0.001
+    extrapolation_factor = 1 - ((torch.arange(R // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    interpolation, extrapolation = 1.0 / (a.rope_factor * pos_freqs), 1.0 / pos_freqs
+    inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv, a.rope_attention_factor
+
+
+def _rope(x, pos, a):  # x [T, h, Dh]; the rotate-half form of Hugging Face
+    R = a.rope_dim
+    inv, factor = _inv_freq(a)
     ang = pos.double()[:, None] * inv
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    cos, sin = cos * factor, sin * factor
     xr = x[..., :R]
     half = torch.cat([-xr[..., R // 2 :], xr[..., : R // 2]], -1)
     return torch.cat([xr * cos + half * sin, x[..., R:]], -1)
@@ -48,8 +74,8 @@ def _attention(m, x, a):
     k = (x @ W(m.wk).T).view(T, G, Dh)
     v = (x @ W(m.wv).T).view(T, G, Dh)
     pos = torch.arange(T)
-    q = _rope(_norm(q, m.q_norm.weight.double(), a.norm_eps), pos, a.rope_dim, a.rope_theta)
-    k = _rope(_norm(k, m.k_norm.weight.double(), a.norm_eps), pos, a.rope_dim, a.rope_theta)
+    q = _rope(_norm(q, m.q_norm.weight.double(), a.norm_eps), pos, a)
+    k = _rope(_norm(k, m.k_norm.weight.double(), a.norm_eps), pos, a)
     k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
     out = torch.zeros(T, H, Dh, dtype=torch.float64)
     for t in range(T):
@@ -83,8 +109,11 @@ def _deltanet(m, x, a):
     return o.reshape(T, -1) @ W(m.wo).T
 
 
+_ACT = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def _moe(m, x, a):
-    I = a.expert_dim
+    I, act = a.expert_dim, _ACT[a.hidden_act]
     W = lambda lin: lin.weight.double()  # noqa: E731
     w, idx = torch.softmax(x @ W(m.router).T, dim=-1).topk(a.top_k, dim=-1)
     w = w / w.sum(-1, keepdim=True)
@@ -93,9 +122,9 @@ def _moe(m, x, a):
         for j in range(a.top_k):
             e = idx[t, j]
             gu = m.w_gate_up[e].double() @ x[t]
-            out[t] += w[t, j] * ((F.silu(gu[:I]) * gu[I:]) @ m.w_down[e].double())
+            out[t] += w[t, j] * ((act(gu[:I]) * gu[I:]) @ m.w_down[e].double())
     s = m.shared
-    shared = (F.silu(x @ W(s.w1).T) * (x @ W(s.w3).T)) @ W(s.w2).T
+    shared = (act(x @ W(s.w1).T) * (x @ W(s.w3).T)) @ W(s.w2).T
     return out + torch.sigmoid(x @ W(m.shared_gate).T) * shared
 
 
@@ -181,6 +210,24 @@ def test_a_call_at_position_zero_starts_a_new_sequence(model, tokens, expected):
     assert close(run(model, tokens[:9], 0), expected[8])
 
 
+@pytest.mark.parametrize("changes", [
+    pytest.param(dict(rope_type="linear", rope_factor=4.0), id="rope-linear"),
+    pytest.param(dict(rope_type="yarn", rope_factor=4.0, rope_original_max=32, rope_attention_factor=1.1386), id="rope-yarn"),
+    pytest.param(dict(hidden_act="gelu_pytorch_tanh"), id="gelu-tanh"),
+])
+def test_config_variants_match_the_reference(changes, tokens):
+    from dataclasses import replace
+
+    model = qm.build(replace(qm.SIZES["tiny"], **changes), seed=0)
+    plain = qm.build(qm.SIZES["tiny"], seed=0)
+    with torch.no_grad():
+        want = reference_logits(model, tokens).float()
+    assert close(run(model, tokens, 0), want[-1])
+    for t in range(3):
+        assert close(run(model, tokens[t : t + 1], t), want[t]), f"token {t}"
+    assert not close(run(plain, tokens, 0), want[-1])  # the variant changes the numbers
+
+
 def test_chunked_delta_rule_matches_the_recurrence():
     gen = torch.Generator().manual_seed(2)
     B, H, K, Dv, L, S = 1, 3, 16, 8, 8, 128
@@ -213,6 +260,18 @@ def test_state_buffers_start_zero_and_update_in_place(recipe):
 
 # ---------------------------------------------------------------------------------------------
 # The recipe
+
+
+def test_recipe_resolves_max_seq_len_and_chunk_from_the_size(recipe):
+    base = {"size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0}
+    assert recipe.resolve(base) == {**base, "max_seq_len": 128, "chunk": 8}
+    assert recipe.resolve({**base, "size": "35b-a3b"}) == {**base, "size": "35b-a3b", "max_seq_len": 4096, "chunk": 64}
+    assert recipe.resolve({**base, "max_seq_len": 64, "chunk": 16}) == {**base, "max_seq_len": 64, "chunk": 16}
+    model = recipe.build({**base, "max_seq_len": 64, "chunk": 16})
+    assert (model.args.max_seq_len, model.args.chunk) == (64, 16)
+    assert model.layers[1].attn.kv_cache.k.shape[2] == 64
+    with pytest.raises(InvalidOption, match=r"^qwen_moe option max_seq_len=2: expected an integer >= 4"):
+        recipe.resolve({**base, "max_seq_len": 2})
 
 
 def test_recipe_cuts_depth_and_rejects_unknown_sizes(recipe):
@@ -252,7 +311,7 @@ def test_35b_a3b_has_the_hugging_face_shapes():
     assert [type(layer.attn).__name__ for layer in model.layers] == ["GatedDeltaNet"] * 3 + ["Attention"]
     # Every parameter is filled by exactly the Hugging Face tensors, in either expert layout.
     for fused in (True, False):
-        targets = qm.hf_targets(args, fused_experts=fused)
+        targets = qhf.hf_targets(args, fused_experts=fused)
         assert {t.param for t in targets.values()} == set(p)
         shapes = {n: tuple(t.view(p).shape) for n, t in targets.items()}
         assert shapes["model.language_model.layers.3.self_attn.q_proj.weight"] == (8192, 2048)

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from _leases import assert_taken_over_when_the_holder_dies
 
 from conftest import REPO, Project, assert_ok, new_project
 from cudabuild.engine import remote
@@ -227,16 +228,7 @@ def test_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies(server):
         tier = make_tier(server, [], lease_seconds=1.0)
         time.sleep(2.5)  # more than twice the lease: only the heartbeat keeps it
         assert tier.try_lease("K") is None
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=10)
-        died = time.monotonic()
-        tier.wait_for_result("K", deadline=died + 10)
-        lapsed = time.monotonic() - died
-        lease = tier.try_lease("K")
-        assert isinstance(lease, remote.Lease) and lapsed < 2.5
-        with lease:
-            assert tier.try_lease("K") is None
-        assert isinstance(tier.try_lease("K"), remote.Lease)  # released on exit
+        assert_taken_over_when_the_holder_dies(tier, holder, wait=10, lapse_under=2.5)
     finally:
         holder.kill()
         holder.wait(timeout=10)
@@ -323,6 +315,26 @@ def test_second_machine_builds_from_redis_with_zero_compiles(built_tiny, server,
     for name, digest in fresh.manifest()["outputs"].items():
         assert sha_file(out / name) == digest == sha_file(built_tiny.root / "build/tiny_lm/cpu" / name)
     assert "from remote 10" in result.stdout and not warning_lines(result)
+
+
+@pytest.mark.slow
+def test_a_fresh_machine_restores_from_the_tier_without_importing_torch(built_tiny, server, tmp_path):
+    # The tier also keeps what the recipe declares (keyed by its sources), so an empty cache needs
+    # neither the recipe's import nor torch's to know the build: every stage comes from the tier.
+    seed(built_tiny, server)
+    fresh = new_project(tmp_path)
+    probe = (
+        "import sys; sys.argv = ['doit', 'export', 'model=tiny_lm', 'target=cpu'];\n"
+        "from doit.doit_cmd import DoitMain; from doit.cmd_base import ModuleTaskLoader;\n"
+        "import dodo; rc = DoitMain(ModuleTaskLoader(dodo)).run(sys.argv[1:]);\n"
+        "print('IMPORTED', 'torch' in sys.modules, 'executorch' in sys.modules, rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=fresh.root, env=fresh.env(CUDABUILD_REMOTE=server.url),
+                            capture_output=True, text=True, timeout=120)
+    assert_ok(result)
+    assert "IMPORTED False False 0" in result.stdout
+    assert fresh.statuses() == {s: "remote" for s in STAGES} and not warning_lines(result)
+    assert fresh.manifest()["outputs"] == built_tiny.manifest()["outputs"]
 
 
 def test_explain_forecasts_what_redis_would_serve_and_changes_nothing(built_tiny, server, tmp_path):

@@ -6,7 +6,8 @@ import pytest
 
 from cudabuild.config import BuildConfig
 from cudabuild.errors import InvalidSpec
-from cudabuild.engine.graph import Stage, stage_inputs
+from cudabuild.engine.graph import Result, Stage
+from cudabuild.pipeline import PIPELINE
 from cudabuild.engine.hashing import digest
 from cudabuild.specs import resolve_method_specs, specs_for_stage
 
@@ -70,13 +71,13 @@ def _config(specs):
 
 def _keys(specs):
     config = _config(specs)
-    stamps = {"probe": {"digest": "p", "value": {"torch": "2.13", "executorch": "1.4.1", "triton": "3.6"}},
-              "export.decode": {"digest": "e1"}, "export.prefill": {"digest": "e2"},
-              "edge.decode": {"digest": "g1"}, "edge.prefill": {"digest": "g2"},
-              "compile.decode": {"digest": "c1"}, "compile.prefill": {"digest": "c2"}}
+    stamps = {"probe": Result("p", {"torch": "2.13", "executorch": "1.4.1", "triton": "3.6"}),
+              "export.decode": Result("e1"), "export.prefill": Result("e2"),
+              "edge.decode": Result("g1"), "edge.prefill": Result("g2"),
+              "compile.decode": Result("c1"), "compile.prefill": Result("c2")}
     read = lambda stage: stamps.get(stage.id)
     stages = [Stage("export", "decode"), Stage("edge", "decode"), Stage("compile", "decode"), Stage("compile", "prefill"), Stage("package")]
-    return {s.id: digest(stage_inputs(s, config, read, lambda: {}, lambda: None)) for s in stages}
+    return {s.id: digest(PIPELINE.inputs(s, config, read, lambda: {}, lambda: None)) for s in stages}
 
 
 def test_a_compile_spec_enters_that_methods_compile_and_package_keys_only():

@@ -10,26 +10,32 @@ Owns the low-memory behaviour of ExecuTorch's CUDA backend as separate, scoped p
 Must not touch: inductor config or os.environ. The patches are process-wide while the context is
 open (inductor serialises constants from worker threads, so they cannot be thread-local), and
 they are all undone when it closes; do not compile an unrelated program in another thread
-meanwhile.
+meanwhile. Their state lives in one object per process (`CompileTimePatches`), not in module
+globals. The stage's other process-wide patches, and the order they nest in, are listed in
+cudabuild.backend.stages.compile.compile_scope.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 import threading
-from typing import Any, Iterator, Mapping, Union
+from typing import Any, ContextManager, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+
+from cudabuild.errors import CudabuildError
 
 Device = Union[str, torch.device]
 
 KV_CACHE_MARKER = "kv_cache"
 
 
-class LowMemoryPatchError(RuntimeError):
+class LowMemoryPatchError(CudabuildError):
     """Inductor no longer has a function, or a call, that the low-memory patches rely on."""
 
 
@@ -176,8 +182,8 @@ def release_device_tensors(ep: ExportedProgram) -> int:
 def _require(condition: bool, what: str) -> None:
     if not condition:
         raise LowMemoryPatchError(
-            f"torch {torch.__version__}: {what}; cudabuild.backend.lowmem's compile-time patches must "
-            "be updated for this torch (or compile with low_memory off)"
+            f"torch {torch.__version__}: {what}, and low_memory_mode=ON relies on it: build with "
+            "low_memory_mode=OFF, or update cudabuild.backend.lowmem for this torch"
         )
 
 
@@ -185,6 +191,16 @@ def _code_of(owner: Any, name: str) -> Any:
     fn = getattr(owner, name, None)
     _require(callable(fn), f"{getattr(owner, '__name__', owner)}.{name} is missing")
     return getattr(fn, "__code__", None)
+
+
+def _codes_in(module: Any) -> Iterator[Any]:
+    """The code of every function defined in `module` (under any decorators), nested ones included."""
+    functions = (inspect.unwrap(fn) for fn in vars(module).values() if inspect.isfunction(fn))
+    pending = [fn.__code__ for fn in functions if fn.__module__ == module.__name__]
+    while pending:
+        code = pending.pop()
+        yield code
+        pending.extend(c for c in code.co_consts if inspect.iscode(c))
 
 
 def _patch_targets() -> dict:
@@ -198,6 +214,10 @@ def _patch_targets() -> dict:
     _require(
         "clone_preserve_strides" in unlift.co_names,
         "compile_fx._unlift_graph no longer calls the module-level clone_preserve_strides",
+    )
+    _require(
+        any("_unlift_graph" in code.co_names for code in _codes_in(compile_fx) if code is not unlift),
+        "compile_fx no longer calls its module-level _unlift_graph",
     )
     _code_of(CppWrapperCpu, "codegen_device")
     constructor = _code_of(CppWrapperCpu, "codegen_model_constructor")
@@ -222,7 +242,8 @@ def _patch_targets() -> dict:
 
 
 class _Session:
-    """State shared by the patches while `compile_time_cpu_clones` is open."""
+    """One outermost `compile_time_cpu_clones` block: its target device, the CPU copies it made,
+    and inductor's functions its patches replaced (put back by `uninstall`)."""
 
     def __init__(self, target_device: torch.device):
         self.target_device = target_device
@@ -231,6 +252,10 @@ class _Session:
         self.forced_to_cpu: dict[int, torch.Tensor] = {}
         self.zeros_for_emptied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lock = threading.Lock()
+        # How deep this thread is in compile_fx._unlift_graph: the one caller whose clones go to
+        # the CPU. Thread-local because autotuning may benchmark (and clone) in other threads.
+        self.unlifting = threading.local()
+        self.originals: dict[tuple[Any, str], Any] = {}
 
     def note_forced(self, source: torch.Tensor, cpu_value: torch.Tensor) -> torch.Tensor:
         if source.device.type != "cpu":
@@ -245,77 +270,124 @@ class _Session:
                 entry = self.zeros_for_emptied[id(emptied)] = (emptied, zeros)
             return entry[1]
 
+    def in_unlift(self) -> bool:
+        return getattr(self.unlifting, "depth", 0) > 0
 
-_session: Union[_Session, None] = None
-_depth = 0
-_session_lock = threading.Lock()
+    def install(self, targets: Mapping[str, Any]) -> None:
+        compile_fx, graph = targets["compile_fx"], targets["graph"]
+        wrapper_cls, lowering_cls = targets["CppWrapperCpu"], targets["GraphLowering"]
+        unlift = compile_fx._unlift_graph
+        clone = compile_fx.clone_preserve_strides
+        codegen_device = wrapper_cls.codegen_device
+        original_value = lowering_cls.get_original_value_of_constant
+        is_same = graph.is_same_tensor
+        session = self
+
+        @functools.wraps(unlift)
+        def unlift_with_cpu_clones(*args: Any, **kwargs: Any) -> Any:
+            unlifting = session.unlifting
+            unlifting.depth = getattr(unlifting, "depth", 0) + 1
+            try:
+                return unlift(*args, **kwargs)
+            finally:
+                unlifting.depth -= 1
+
+        def clone_mutated_buffer_to_cpu(x: torch.Tensor) -> torch.Tensor:
+            # Autotuning benchmarks call this too and need their clones on the device; only the
+            # initial-value copies of mutated buffers made by _unlift_graph go to the CPU.
+            if not session.in_unlift():
+                return clone(x)
+            if _is_emptied(x):
+                return session.zeros_for(x)
+            return session.note_forced(x, _copy_preserving_strides(x, "cpu"))
+
+        def codegen_device_of_target(self: Any, device: torch.device) -> str:
+            # The constants table must name the device the runtime loads a constant onto; for a
+            # value we moved to the CPU that is the compile's target. Genuine CPU constants and
+            # every other device argument (allocations, extern op args) are left as they are.
+            # The caller's frame is the only place that says which constant this device is for:
+            # codegen_device receives `tensor.device` alone, and codegen_model_constructor holds
+            # the tensor in its local `tensor` (both checked by _patch_targets).
+            if isinstance(device, torch.device) and device.type == "cpu":
+                caller = sys._getframe(1)
+                if (
+                    caller.f_code.co_name == "codegen_model_constructor"
+                    and id(caller.f_locals.get("tensor")) in session.forced_to_cpu
+                ):
+                    device = session.target_device
+            return codegen_device(self, device)
+
+        def original_value_with_zeros(self: Any, name: str) -> torch.Tensor:
+            # A freed KV cache would serialise as 0 bytes; the weights blob must hold its zeros.
+            value = original_value(self, name)
+            return session.zeros_for(value) if _is_emptied(value) else value
+
+        def same_unless_emptied(data: torch.Tensor, value: torch.Tensor) -> bool:
+            # Freed storages all report data_ptr 0, which would merge every same-shaped cache into
+            # one constant.
+            if _is_emptied(data) or _is_emptied(value):
+                return False
+            return is_same(data, value)
+
+        replacements = {
+            (compile_fx, "_unlift_graph"): unlift_with_cpu_clones,
+            (compile_fx, "clone_preserve_strides"): clone_mutated_buffer_to_cpu,
+            (wrapper_cls, "codegen_device"): codegen_device_of_target,
+            (lowering_cls, "get_original_value_of_constant"): original_value_with_zeros,
+            (graph, "is_same_tensor"): same_unless_emptied,
+        }
+        for (owner, name), replacement in replacements.items():
+            self.originals[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, replacement)
+
+    def uninstall(self) -> None:
+        for (owner, name), value in self.originals.items():
+            setattr(owner, name, value)
+        self.originals = {}
 
 
-def _install(targets: Mapping[str, Any], session: _Session) -> dict:
-    compile_fx, graph = targets["compile_fx"], targets["graph"]
-    wrapper_cls, lowering_cls = targets["CppWrapperCpu"], targets["GraphLowering"]
-    clone = compile_fx.clone_preserve_strides
-    codegen_device = wrapper_cls.codegen_device
-    original_value = lowering_cls.get_original_value_of_constant
-    is_same = graph.is_same_tensor
-    originals = {
-        (compile_fx, "clone_preserve_strides"): clone,
-        (wrapper_cls, "codegen_device"): codegen_device,
-        (lowering_cls, "get_original_value_of_constant"): original_value,
-        (graph, "is_same_tensor"): is_same,
-    }
+class CompileTimePatches:
+    """The process's compile-time patches of inductor, and how deep their blocks are nested.
 
-    def clone_mutated_buffer_to_cpu(x: torch.Tensor) -> torch.Tensor:
-        # Autotuning benchmarks call this too and need their clones on the device; only the
-        # initial-value copies of mutated buffers made by _unlift_graph go to the CPU.
-        if sys._getframe(1).f_code.co_name != "_unlift_graph":
-            return clone(x)
-        if _is_emptied(x):
-            return session.zeros_for(x)
-        return session.note_forced(x, _copy_preserving_strides(x, "cpu"))
+    One instance per process (`_PATCHES`), because what it patches is module state of inductor:
+    the outermost open block checks inductor and installs the patches with a fresh `_Session`,
+    inner blocks for the same device share it, and the outermost close puts everything back.
+    """
 
-    def codegen_device_of_target(self: Any, device: torch.device) -> str:
-        # The constants table must name the device the runtime loads a constant onto; for a
-        # value we moved to the CPU that is the compile's target. Genuine CPU constants and
-        # every other device argument (allocations, extern op args) are left as they are.
-        if isinstance(device, torch.device) and device.type == "cpu":
-            caller = sys._getframe(1)
-            if (
-                caller.f_code.co_name == "codegen_model_constructor"
-                and id(caller.f_locals.get("tensor")) in session.forced_to_cpu
-            ):
-                device = session.target_device
-        return codegen_device(self, device)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._session: Optional[_Session] = None
 
-    def original_value_with_zeros(self: Any, name: str) -> torch.Tensor:
-        # A freed KV cache would serialise as 0 bytes; the weights blob must hold its zeros.
-        value = original_value(self, name)
-        return session.zeros_for(value) if _is_emptied(value) else value
-
-    def same_unless_emptied(data: torch.Tensor, value: torch.Tensor) -> bool:
-        # Freed storages all report data_ptr 0, which would merge every same-shaped cache into
-        # one constant.
-        if _is_emptied(data) or _is_emptied(value):
-            return False
-        return is_same(data, value)
-
-    compile_fx.clone_preserve_strides = clone_mutated_buffer_to_cpu
-    wrapper_cls.codegen_device = codegen_device_of_target
-    lowering_cls.get_original_value_of_constant = original_value_with_zeros
-    graph.is_same_tensor = same_unless_emptied
-    return originals
+    @contextlib.contextmanager
+    def open(self, target_device: Device) -> Iterator[None]:
+        target_device = torch.device(target_device)
+        with self._lock:
+            if self._depth == 0:
+                targets = _patch_targets()
+                session = _Session(target_device)
+                session.install(targets)
+                self._session = session
+            elif self._session is not None and self._session.target_device != target_device:
+                raise ValueError(
+                    f"compile_time_cpu_clones({target_device}) inside an open block for "
+                    f"{self._session.target_device}: nest only blocks for the same device"
+                )
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._session is not None:
+                    self._session.uninstall()
+                    self._session = None
 
 
-def _uninstall(originals: Mapping[tuple, Any]) -> None:
-    for (owner, name), value in originals.items():
-        setattr(owner, name, value)
+_PATCHES = CompileTimePatches()
 
 
-_originals: dict = {}
-
-
-@contextlib.contextmanager
-def compile_time_cpu_clones(target_device: Device) -> Iterator[None]:
+def compile_time_cpu_clones(target_device: Device) -> ContextManager[None]:
     """Patch inductor, for the block, so a low-memory compile keeps its copies on the CPU.
 
     While open: the initial-value clones `_unlift_graph` makes of mutated buffers are made on the
@@ -325,24 +397,4 @@ def compile_time_cpu_clones(target_device: Device) -> Iterator[None]:
     checked first (LowMemoryPatchError if one moved). Re-entrant for the same target device;
     every patch is undone when the outermost block exits, normally or by an exception.
     """
-    global _session, _depth, _originals
-    target_device = torch.device(target_device)
-    with _session_lock:
-        if _depth == 0:
-            targets = _patch_targets()
-            _session = _Session(target_device)
-            _originals = _install(targets, _session)
-        elif _session is not None and _session.target_device != target_device:
-            raise ValueError(
-                f"compile_time_cpu_clones({target_device}) inside an open block for "
-                f"{_session.target_device}: nest only blocks for the same device"
-            )
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _session_lock:
-            _depth -= 1
-            if _depth == 0:
-                _uninstall(_originals)
-                _originals, _session = {}, None
+    return _PATCHES.open(target_device)

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+from cudabuild.engine.graph import Pending
 from cudabuild.engine.hashing import stat_signature
 
 PACKAGES = ("torch", "triton", "executorch")
@@ -142,3 +143,34 @@ def resolve_target(target: str, environ=os.environ) -> tuple[str, str | None]:
 
 def python_executable() -> str:
     return sys.executable
+
+
+# -- what explain predicts probe will report -----------------------------------------------------
+
+# Probe fields the cheap fingerprint determines exactly (probe computes them the same way).
+_EXACT = {"target": ("target",), "python": ("python",), "machine": ("machine",), "env": ("env",),
+          "triton": ("packages", "triton"), "executorch": ("packages", "executorch"),
+          "inductor_root": ("inductor_root",)}
+# Fields probe measures itself: unchanged when their fingerprint source is, otherwise unknown.
+_MEASURED = {"torch": ("packages", "torch"), "compiler": ("compiler",), "cuda": ("cuda",)}
+_MISSING = object()
+
+
+def _at(tree, path: tuple[str, ...]):
+    for key in path:
+        tree = tree.get(key, _MISSING) if isinstance(tree, dict) else _MISSING
+    return tree
+
+
+def predict_probe_value(old_stamp_value: dict | None, old_fingerprint: dict | None, fingerprint: dict) -> dict:
+    """What probe will report, from the new cheap fingerprint and its last report (with the
+    fingerprint that report was made for); Pending where it cannot be known without running."""
+    old_value = old_stamp_value or {}
+    old_fp = old_fingerprint or {}
+    value = {field: _at(fingerprint, path) for field, path in _EXACT.items()}
+    for field, path in _MEASURED.items():
+        if field == "cuda" and fingerprint.get("target") != "cuda":
+            continue
+        same = old_stamp_value is not None and field in old_value and _at(old_fp, path) == _at(fingerprint, path)
+        value[field] = old_value[field] if same else Pending("probe")
+    return value

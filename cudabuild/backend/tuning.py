@@ -91,3 +91,22 @@ def write_pins(project: Path, model: str, target: str, entries: Mapping[str, dic
     path = pin_path(project, model)
     atomic_write_text(path, json.dumps(pins, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def pin_autotune(runner) -> Path:
+    """`autotune=pin`: write every method's tuning decisions to recipes/<model>.autotune.json.
+
+    The compile stamps are then re-keyed to the inputs that name the new pin: replaying the
+    decisions a compile just made reproduces that compile, so nothing is rebuilt for it.
+    """
+    from cudabuild.engine.graph import Stage
+
+    config = runner.config
+    entries = {}
+    for method in config.methods:
+        data = json.loads(runner.read_output(Stage("compile", method), "autotune.json"))
+        entries[method] = {"tuning_key": data["tuning_key"], "files": data["files"]}
+    path = write_pins(config.project, config.model, config.target, entries)
+    for method in config.methods:
+        runner.rekey(Stage("compile", method))
+    return path

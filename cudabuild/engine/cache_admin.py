@@ -5,27 +5,33 @@
   stamps as it goes) never loses an input it still needs.
 - gc: least-recently-used eviction of unpinned blobs and records (diskcache's access_time, which
   only builds move), down to a size and/or past an age; records left naming an evicted blob go too.
+  With dry_run it works out the same evictions and changes nothing (`cudabuild cache gc --dry-run`).
+- enforce_limit: the gc a build runs after each stage it stores, under $CUDABUILD_CACHE_MAX_SIZE.
 - verify: re-hash every blob, drop the corrupt ones and the records that named them.
 - stats: the store's contents, and what the build log says the cache did for the last N builds.
 
 The size a limit bounds is the bytes of blobs and records (the memo, docs and build log are
 bookkeeping, a few KiB). Reads go through Store's inspection methods, which do not count as uses.
-Nothing here imports torch.
+This module builds on Store and Store never imports it: what is in use (the pins) is worked out
+here, above the store, as dvc-data's gc(odb, used) has its caller do. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from cudabuild.errors import InvalidOption
+from cudabuild.engine.stamp import all_stamps
 from cudabuild.engine.store import Store
 
 # -- sizes ---------------------------------------------------------------------------------------
+
+MAX_SIZE_ENV = "CUDABUILD_CACHE_MAX_SIZE"
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
@@ -60,17 +66,6 @@ def format_bytes(n: float) -> str:
 # -- pins ----------------------------------------------------------------------------------------
 
 
-def stamps(project: Path) -> Iterator[tuple[str, dict]]:
-    """("model/target/stage", stamp) for every readable stamp under project/build/."""
-    for path in sorted(Path(project).glob("build/*/*/.stamps/*.json")):
-        try:
-            stamp = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced right now, or damaged: the runner treats it as absent too
-        if isinstance(stamp, dict):
-            yield f"{path.parent.parent.parent.name}/{path.parent.parent.name}/{path.stem}", stamp
-
-
 @dataclass
 class Pins:
     blobs: set[str] = field(default_factory=set)
@@ -84,21 +79,30 @@ class Pins:
 
 def pins(project: Path) -> Pins:
     found = Pins()
-    for _, stamp in stamps(project):
+    for _, stamp in all_stamps(project):
         found.stamps += 1
-        found.blobs.update((stamp.get("outputs") or {}).values())
-        if stamp.get("key"):
-            found.keys.add(stamp["key"])
+        found.blobs.update(stamp.outputs.values())
+        found.keys.add(stamp.key)
     return found
+
+
+def _dangling_records(store: Store, evicted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """[(key, stage)] of records that name a blob the store no longer has, counting the entries in
+    `evicted` ("blob:<sha>", "rec:<key>") as gone already (what a dry run would have evicted)."""
+    dangling = []
+    for key, record in store.records():
+        if "rec:" + key in evicted:
+            continue
+        if not all("blob:" + sha not in evicted and store.has_blob(sha) for sha in (record.get("outputs") or {}).values()):
+            dangling.append((key, record.get("stage", "?")))
+    return dangling
 
 
 def _drop_dangling_records(store: Store) -> list[tuple[str, str]]:
     """Drop records that name a blob the store no longer has; [(key, stage)] of those dropped."""
-    dropped = []
-    for key, record in list(store.records()):
-        if not all(store.has_blob(sha) for sha in (record.get("outputs") or {}).values()):
-            store.drop_record(key)
-            dropped.append((key, record.get("stage", "?")))
+    dropped = _dangling_records(store)
+    for key, _ in dropped:
+        store.drop_record(key)
     return dropped
 
 
@@ -119,6 +123,7 @@ class GcReport:
     stamps: int = 0
     max_bytes: Optional[int] = None
     max_age_days: Optional[float] = None
+    dry_run: bool = False  # what a gc would do: nothing was evicted or deleted
 
     def lines(self) -> list[str]:
         rules = []
@@ -126,54 +131,89 @@ class GcReport:
             rules.append(f"limit {format_bytes(self.max_bytes)}")
         if self.max_age_days is not None:
             rules.append(f"max age {self.max_age_days:g} days")
+        evicted, dropped, kept, deleted, store_now, was_kept = (
+            ("would evict", "would drop", "would keep", "would delete", "store would be", "it would be kept")
+            if self.dry_run else ("evicted", "dropped", "kept", "deleted", "store now", "it was kept"))
         dangling = ""
         if self.dangling_records:
-            dangling = f"; dropped {plural(self.dangling_records, 'record')} left without their blobs"
+            dangling = f"; {dropped} {plural(self.dangling_records, 'record')} left without their blobs"
         out = [
-            f"evicted {plural(self.evicted_blobs, 'blob')} and {plural(self.evicted_records, 'record')} "
+            f"{evicted} {plural(self.evicted_blobs, 'blob')} and {plural(self.evicted_records, 'record')} "
             f"({format_bytes(self.evicted_bytes)}), least recently used first{dangling}",
-            f"store now {format_bytes(self.size_after)} in blobs and records ({', '.join(rules)}); "
-            f"kept {plural(self.pinned_blobs, 'blob')} ({format_bytes(self.pinned_bytes)}) "
+            f"{store_now} {format_bytes(self.size_after)} in blobs and records ({', '.join(rules)}); "
+            f"{kept} {plural(self.pinned_blobs, 'blob')} ({format_bytes(self.pinned_bytes)}) "
             f"that {plural(self.stamps, 'stamp')} under build/ reference",
         ]
         if self.orphan_files:
-            out.append(f"deleted {plural(self.orphan_files, 'orphaned file')} ({format_bytes(self.orphan_bytes)}) "
+            out.append(f"{deleted} {plural(self.orphan_files, 'orphaned file')} ({format_bytes(self.orphan_bytes)}) "
                        f"that killed cache writes left behind")
         if self.max_bytes is not None and self.pinned_bytes > self.max_bytes:
-            out.append("note: what build/ references alone is over the limit; it was kept "
+            out.append(f"note: what build/ references alone is over the limit; {was_kept} "
                        "(delete build/<model> folders to release it)")
         return out
 
 
 def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_days: Optional[float] = None,
-       now: Optional[float] = None) -> GcReport:
+       now: Optional[float] = None, dry_run: bool = False) -> GcReport:
     """Evict unpinned blobs and records: older than max_age_days, then least recently used until
-    max_bytes. Also deletes files that killed writes left without a row (Store.sweep_orphans)."""
+    max_bytes. Also deletes files that killed writes left without a row (Store.sweep_orphans).
+    With dry_run, the report says what would be evicted and deleted, and the store is left as it is."""
     now = time.time() if now is None else now
     pinned = pins(project)
     entries = store.entries("blob:") + store.entries("rec:")
-    report = GcReport(max_bytes=max_bytes, max_age_days=max_age_days, stamps=pinned.stamps)
+    report = GcReport(max_bytes=max_bytes, max_age_days=max_age_days, stamps=pinned.stamps, dry_run=dry_run)
     kept = [e for e in entries if pinned.holds(e.key)]
     report.pinned_blobs = sum(1 for e in kept if e.key.startswith("blob:"))
     report.pinned_bytes = sum(e.bytes for e in kept)
     total = sum(e.bytes for e in entries)
+    evicted: set[str] = set()  # a dry run's evictions: noted, and taken to succeed
     for entry in sorted((e for e in entries if not pinned.holds(e.key)), key=lambda e: (e.access_time, e.key)):
         too_old = max_age_days is not None and entry.access_time < now - max_age_days * 86400
         too_big = max_bytes is not None and total > max_bytes
         if not (too_old or too_big):
             continue
-        if store.evict(entry.key):
-            total -= entry.bytes
-            report.evicted_bytes += entry.bytes
-            if entry.key.startswith("blob:"):
-                report.evicted_blobs += 1
-            else:
-                report.evicted_records += 1
+        if dry_run:
+            evicted.add(entry.key)
+        elif not store.evict(entry.key):
+            continue
+        total -= entry.bytes
+        report.evicted_bytes += entry.bytes
+        if entry.key.startswith("blob:"):
+            report.evicted_blobs += 1
+        else:
+            report.evicted_records += 1
+    if dry_run:
+        if report.evicted_blobs:
+            dangling = {"rec:" + key for key, _ in _dangling_records(store, frozenset(evicted))}
+            report.dangling_records = len(dangling)
+            total -= sum(e.bytes for e in entries if e.key in dangling)
+        orphans = store.orphan_files(now=now)
+        report.orphan_files, report.orphan_bytes = len(orphans), sum(size for _, size in orphans)
+        report.size_after = total
+        return report
     if report.evicted_blobs:
         report.dangling_records = len(_drop_dangling_records(store))
     report.orphan_files, report.orphan_bytes = store.sweep_orphans(now=now)
     report.size_after = store.size()
     return report
+
+
+def enforce_limit(store: Store, project: os.PathLike | str) -> Optional[GcReport]:
+    """Keep blobs and records under $CUDABUILD_CACHE_MAX_SIZE (unset: no limit); the runner calls it
+    after each stage it stores.
+
+    Evicts least-recently-used entries that no stamp under `project`/build/ references (see gc), so
+    the current build's own inputs and outputs are never evicted, and what was evicted is never
+    needed again by this build. Cheap when under the limit: one SQL sum.
+    Returns the GcReport when it evicted something, else None.
+    """
+    raw = os.environ.get(MAX_SIZE_ENV, "").strip()
+    if not raw:
+        return None
+    limit = parse_size(raw, where=MAX_SIZE_ENV)
+    if store.size() <= limit:
+        return None
+    return gc(store, Path(project), max_bytes=limit)
 
 
 # -- verify --------------------------------------------------------------------------------------
@@ -220,8 +260,8 @@ def verify(store: Store, project: Path) -> VerifyReport:
         if not store.verify_blob(sha):
             report.dropped.append(f"{sha[:12]} ({names.get(sha, 'no record names it')})")
     report.dropped_records = [f"{stage} ({key[:12]})" for key, stage in _drop_dangling_records(store)]
-    for where, stamp in stamps(project):
-        if any(not store.has_blob(sha) for sha in (stamp.get("outputs") or {}).values()):
+    for where, stamp in all_stamps(project):
+        if any(not store.has_blob(sha) for sha in stamp.outputs.values()):
             report.stamps_affected.append(where)
     return report
 

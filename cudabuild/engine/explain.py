@@ -3,10 +3,10 @@ forecast of what the next `doit export` would do with each stage of a build.
 
 `reason(old, new)` is what runner.py records in a stamp when a stage runs (`spec max_autotune:
 OFF -> ON`, `source recipes/x.py changed`, `toolchain triton: 3.6.0 -> 3.7.1`). `forecast(runner)`
-decides each stage the way Runner.execute would (stamp holds the key: up to date; the store has
-a record for it, in either tier: restorable; else it runs), from the stamps in build/ and the store's records,
-without running or restoring anything. A key depends on upstream results; where an upstream will
-run, its result is `Pending` and the forecast says what it waits on instead of guessing.
+asks Runner.decide, the one up-to-date decision a build makes, about each stage, with predicted
+upstream results and a store lookup that changes nothing, and words the verdicts. A key depends on
+upstream results; where an upstream will run, its result is `Pending` and the forecast says what
+it waits on instead of guessing.
 
 Must not import torch, executorch or doit, nor write to build/ or the store (loading the config
 may refresh the store's file-hash and recipe-description memos, as any build does).
@@ -19,20 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from cudabuild.errors import CudabuildError
-from cudabuild.engine.graph import Stage, plan, stage_inputs
-from cudabuild.engine.hashing import digest
-
-
-class Pending(str):
-    """A value known only after `stage` has run (a str so it fits in inputs; equal to no real value)."""
-
-    stage: str
-
-    def __new__(cls, stage: str) -> "Pending":
-        self = super().__new__(cls, f"<result of {stage}>")
-        self.stage = stage
-        return self
-
+from cudabuild.engine.graph import Pending, Pipeline, Result, pending_in
 
 _MISSING = object()
 
@@ -76,16 +63,10 @@ def _verb(c: Change) -> str:
     return "added" if c.old is _MISSING else "removed" if c.new is _MISSING else "changed"
 
 
-def upstream_of(path: tuple[str, ...], inputs: dict) -> Optional[str]:
-    """The stage whose result an input leaf is (`graph` of edge is export's digest, ...)."""
-    kind, method = inputs.get("stage"), inputs.get("method")
-    if path == ("graph",):
-        return f"edge.{method}" if kind == "compile" else f"export.{method}"
-    if path == ("compiled",):
-        return f"compile.{method}"
-    if len(path) == 3 and path[0] == "methods" and path[2] in ("graph", "compiled"):
-        return f"{'export' if path[2] == 'graph' else 'compile'}.{path[1]}"
-    return None
+def _pipeline() -> Pipeline:
+    from cudabuild.engine.runner import default_pipeline
+
+    return default_pipeline()
 
 
 def _toolchain_words(rest: tuple[str, ...], c: Change) -> str:
@@ -97,7 +78,7 @@ def _toolchain_words(rest: tuple[str, ...], c: Change) -> str:
     return f"toolchain {name}: {_was(c)}"
 
 
-def describe(c: Change, inputs: dict) -> str:
+def describe(c: Change, inputs: dict, pipeline: Optional[Pipeline] = None) -> str:
     """One change in words; `inputs` (the new ones) says which stage and method it belongs to."""
     p = c.path
     root = p[0] if p else ""
@@ -118,7 +99,7 @@ def describe(c: Change, inputs: dict) -> str:
         return f"spec {p[1]}: {_was(c)}"
     if root == "methods" and len(p) == 4 and p[2] == "specs":
         return f"spec {p[1]}.{p[3]}: {_was(c)}"
-    upstream = upstream_of(p, inputs)
+    upstream = (pipeline or _pipeline()).upstream_of(p, inputs)
     if upstream:
         what = _graph_name(upstream) if p[-1] == "graph" else f"result of {upstream}"
         return f"{what} changed ({_was(c)})"
@@ -140,11 +121,11 @@ def _join(words: list[str], most: int = 3) -> str:
     return "; ".join(words[:most]) + (f"; and {len(words) - most} more" if len(words) > most else "")
 
 
-def reason(old_inputs: dict | None, new_inputs: dict) -> str:
+def reason(old_inputs: dict | None, new_inputs: dict, pipeline: Optional[Pipeline] = None) -> str:
     """One line: why a stage with these inputs must run, given the inputs it last ran with."""
     if old_inputs is None:
         return "not built here before, and no cached result"
-    found = [describe(c, new_inputs) for c in diff(old_inputs, new_inputs)]
+    found = [describe(c, new_inputs, pipeline) for c in diff(old_inputs, new_inputs)]
     if not found:
         return "outputs missing from build/ and from the cache"
     return _join(found, 4)
@@ -219,43 +200,6 @@ class Forecast:
         return f"{self.stage:<{width}}  {self.words}"
 
 
-# Probe fields the cheap fingerprint determines exactly (toolchain.probe computes them the same way).
-_EXACT = {"target": ("target",), "python": ("python",), "machine": ("machine",), "env": ("env",),
-          "triton": ("packages", "triton"), "executorch": ("packages", "executorch"),
-          "inductor_root": ("inductor_root",)}
-# Fields probe measures itself: unchanged when their fingerprint source is, otherwise unknown.
-_MEASURED = {"torch": ("packages", "torch"), "compiler": ("compiler",), "cuda": ("cuda",)}
-
-
-def _at(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree.get(key, _MISSING) if isinstance(tree, dict) else _MISSING
-    return tree
-
-
-def predict_probe_value(old_stamp: Optional[dict], fingerprint: dict) -> dict:
-    """What probe will report, from the new cheap fingerprint and its last report; Pending where unknown."""
-    old_value = (old_stamp or {}).get("value") or {}
-    old_fp = ((old_stamp or {}).get("inputs") or {}).get("fingerprint") or {}
-    value = {field: _at(fingerprint, path) for field, path in _EXACT.items()}
-    for field, path in _MEASURED.items():
-        if field == "cuda" and fingerprint.get("target") != "cuda":
-            continue
-        same = old_stamp is not None and field in old_value and _at(old_fp, path) == _at(fingerprint, path)
-        value[field] = old_value[field] if same else Pending("probe")
-    return value
-
-
-def _pending(value: Any) -> set[str]:
-    if isinstance(value, Pending):
-        return {value.stage}
-    if isinstance(value, dict):
-        return set().union(*(_pending(v) for v in value.values())) if value else set()
-    if isinstance(value, list):
-        return set().union(*(_pending(v) for v in value)) if value else set()
-    return set()
-
-
 def _names(stages: set[str], conjunction: str) -> str:
     names = sorted(stages)
     if len(names) > 2:
@@ -293,68 +237,67 @@ class _Graphs:
             return None
 
 
-def _describe_with_graphs(c: Change, inputs: dict, predicted: dict, graphs: _Graphs) -> str:
-    upstream = upstream_of(c.path, inputs)
-    # The node-level difference is told where the graph is consumed first (edge, compile); the
-    # stages that also key on it (package, verify) just say it changed.
-    direct = inputs.get("stage") in ("edge", "compile")
+def _describe_with_graphs(c: Change, inputs: dict, predicted: dict, graphs: _Graphs, pipeline: Pipeline) -> str:
+    upstream = pipeline.upstream_of(c.path, inputs)
+    # The node-level difference is told where the graph is consumed first; the stages that also
+    # key on it just say it changed.
+    row = pipeline.rows.get(inputs.get("stage"))
+    direct = row is not None and row.explains_graph
     if upstream and c.path[-1] == "graph" and not direct:
         return f"{_graph_name(upstream)} changed"
     if upstream and c.path[-1] == "graph" and isinstance(c.old, str) and not isinstance(c.new, Pending):
-        new = graphs.summary((predicted.get(upstream) or {}).get("outputs"))
+        new = graphs.summary(predicted[upstream].outputs if upstream in predicted else None)
         old = graphs.summary(graphs.outputs_for(upstream, c.old))
         if new is not None and old is not None:
             return f"{_graph_name(upstream)} changed: {graph_difference(old, new)}"
         if new is not None:
             return f"{_graph_name(upstream)} changed ({_was(c)}; the previous graph is no longer in the cache)"
-    return describe(c, inputs)
+    return describe(c, inputs, pipeline)
 
 
 def forecast(runner) -> list[Forecast]:
     """What `doit export` would do with each stage of runner.config's build, and why; runs nothing.
 
-    `runner` is a cudabuild.engine.runner.Runner (stamps, fingerprint, store); only its reading methods are used.
+    `runner` is a cudabuild.engine.runner.Runner; only its reading methods are used.
     """
-    config, store = runner.config, runner.store
-    predicted: dict[str, Optional[dict]] = {}  # stage id -> the stamp/record its dependents will read
+    config, store, pipeline = runner.config, runner.store, runner.pipeline
+    predicted: dict[str, Result] = {}  # stage id -> the result its dependents will read
     graphs = _Graphs(store)
     out = []
-    for stage in plan(config):
-        old = runner.read_stamp(stage)
-        inputs = stage_inputs(stage, config, lambda s: predicted.get(s.id), runner.fingerprint, runner.checkpoint_digest)
-        waits = _pending(inputs)
-        verdict = None
-        if not waits:
-            key = digest(inputs)
-            if old and old.get("key") == key and runner.finals_intact(old):
-                predicted[stage.id] = old
-                verdict = Forecast(stage.id, "up to date", "up to date")
-            elif (found := store.locate_record(key))[0] is not None:
-                record, tier = found
-                predicted[stage.id] = record
-                note = "; its files in build/ are missing or modified" if old and old.get("key") == key else ""
-                saves = record.get("seconds") or 0.0
-                saves = f"saves {saves:.1f}s" if saves >= 0.1 else ""
-                detail = "; ".join(x for x in (saves, note.lstrip("; ")) if x)
-                source = "cache" if tier == "local" else f"the shared cache {store.remote.where}"
-                verdict = Forecast(stage.id, "restorable", f"restorable from {source}" + (f" ({detail})" if detail else ""))
-        if verdict is None:
-            predicted[stage.id] = {
-                "digest": Pending(stage.id), "outputs": None,
-                "value": predict_probe_value(old, runner.fingerprint()) if stage.kind == "probe" else None,
-            }
-            verdict = _will_run(stage, old, inputs, waits, predicted, graphs)
-        out.append(verdict)
+    for stage in pipeline.plan(config):
+        decision = runner.decide(stage, read=lambda s: predicted.get(s.id), find=store.locate_record)
+        old = decision.old
+        if decision.verdict == "cached":
+            predicted[stage.id] = old.result
+            out.append(Forecast(stage.id, "up to date", "up to date"))
+            continue
+        if decision.verdict == "restorable":
+            record = decision.record
+            predicted[stage.id] = Result(record["digest"], record.get("value"), record.get("outputs"))
+            note = "its files in build/ are missing or modified" if old and old.key == decision.key else ""
+            saves = record.get("seconds") or 0.0
+            saves = f"saves {saves:.1f}s" if saves >= 0.1 else ""
+            detail = "; ".join(x for x in (saves, note) if x)
+            source = "cache" if decision.tier == "local" else f"the shared cache {store.remote.where}"
+            out.append(Forecast(stage.id, "restorable", f"restorable from {source}" + (f" ({detail})" if detail else "")))
+            continue
+        predict = pipeline.row(stage).predict_value
+        value = None
+        if predict is not None:
+            value = predict(old.value if old else None, old.inputs.get("fingerprint") if old else None, runner.fingerprint())
+        predicted[stage.id] = Result(Pending(stage.id), value, None)
+        out.append(_will_run(decision, predicted, graphs, pipeline))
     return out
 
 
-def _will_run(stage: Stage, old: Optional[dict], inputs: dict, waits: set[str], predicted: dict, graphs: _Graphs) -> Forecast:
+def _will_run(decision, predicted: dict, graphs: _Graphs, pipeline: Pipeline) -> Forecast:
+    stage, old, inputs, waits = decision.stage, decision.old, decision.inputs, set(decision.waits)
     if old is None:
         if waits:
             return Forecast(stage.id, "wait", f"not built here; runs or restores depending on {_results_of(waits)}")
         return Forecast(stage.id, "run", "will run: not built here before, and not in the cache")
-    known = [c for c in diff(old.get("inputs") or {}, inputs) if not _pending(c.new)]
-    words = [_describe_with_graphs(c, inputs, predicted, graphs) for c in known]
+    known = [c for c in diff(old.inputs, inputs) if not pending_in(c.new)]
+    words = [_describe_with_graphs(c, inputs, predicted, graphs, pipeline) for c in known]
     if not waits:
         why = _join(words) if words else "its files in build/ are missing or modified, and the cache has no copy"
         return Forecast(stage.id, "run", f"will run because {why}")

@@ -3,6 +3,9 @@ new, never part of it: write a temporary file beside the destination, then renam
 
 The file gets the mode a plain `open(path, "w")` would give it (0666 less the umask, typically
 0644), not mkstemp's private 0600: build outputs and manifests are read by other people and tools.
+
+Also here: `temporary_file`, a scratch file that is always deleted, for bytes on their way
+somewhere else (a blob downloaded from the remote tier, checked, then stored).
 """
 
 from __future__ import annotations
@@ -52,3 +55,20 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_copy(src: Path, dest: Path) -> None:
     with _replacing(dest) as tmp:
         shutil.copyfile(src, tmp)  # sendfile where it can: build outputs run to gigabytes
+
+
+@contextlib.contextmanager
+def temporary_file(directory: Path, prefix: str = "") -> Iterator[Path]:
+    """An empty file of its own in `directory`, deleted when the block ends, however it ends.
+
+    For content that is written, read back, and kept elsewhere: it streams through the disk, so a
+    download of gigabytes never has to fit in memory.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

@@ -1,28 +1,24 @@
-"""The build graph: which stages a build has, what each consumes, and what decides its key.
-
-    probe ─┬─> export[m] ─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
-           │                                      └─> verify[m]
-           └──────────────(toolchain)─────────────┘
+"""The build graph as a table: one `StageKind` row per kind of stage, and what the engine derives
+from the rows (the plan, each stage's dependencies, its key inputs, which upstream an input names).
 
 A stage's key is the digest of its *inputs*: a JSON dict of its own parameters and the digests of
 the upstream results it consumes. An upstream digest is semantic where it can be (export and edge
 report a canonical graph hash, not the bytes of a serialized file), so an edit that leaves the
 graph alone stops the rebuild there: early cutoff. The inputs dict is kept in each stamp, which is
-how `explain` names what changed. Bump a stage's version when its implementation changes what it
-produces. Nothing here imports torch.
+how `explain` names what changed. Bump a row's version when its stage's implementation changes what
+it produces.
+
+The rows themselves (which stages the CUDA lowering has) are in cudabuild.pipeline; adding a stage
+kind is one row there and one module under cudabuild.backend.stages. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from cudabuild.config import BuildConfig
-from cudabuild.specs import specs_for_stage
-from cudabuild.backend.tuning import pinned_digest
-
-STAGE_VERSIONS = {"probe": 1, "export": 2, "edge": 3, "compile": 1, "package": 3, "verify": 1}
-KINDS = tuple(STAGE_VERSIONS)
+if TYPE_CHECKING:
+    from cudabuild.config import BuildConfig
 
 
 @dataclass(frozen=True)
@@ -35,107 +31,176 @@ class Stage:
         return f"{self.kind}.{self.method}" if self.method else self.kind
 
 
-def plan(config: BuildConfig) -> list[Stage]:
-    """Every stage of the build, in an order that respects dependencies."""
-    methods = config.methods
-    stages = [Stage("probe")]
-    for kind in ("export", "edge", "compile"):
-        stages += [Stage(kind, m) for m in methods]
-    stages.append(Stage("package"))
-    stages += [Stage("verify", m) for m in methods]
-    return stages
+class Pending(str):
+    """A result known only after `stage` has run (a str so it fits in inputs; equal to no real value).
+
+    `cudabuild explain` keys stages on what it can predict; where an upstream will run, the
+    upstream's digest is Pending and the stage's verdict waits on it instead of guessing.
+    """
+
+    stage: str
+
+    def __new__(cls, stage: str) -> "Pending":
+        self = super().__new__(cls, f"<result of {stage}>")
+        self.stage = stage
+        return self
 
 
-def dependencies(stage: Stage, config: BuildConfig) -> list[Stage]:
-    m = stage.method
-    if stage.kind == "probe":
-        return []
-    if stage.kind == "export":
-        return [Stage("probe")]
-    if stage.kind == "edge":
-        return [Stage("probe"), Stage("export", m)]
-    if stage.kind == "compile":
-        return [Stage("probe"), Stage("edge", m)]
-    if stage.kind == "package":
-        return [Stage("probe")] + [Stage(k, x) for x in config.methods for k in ("export", "compile")]
-    if stage.kind == "verify":
-        return [Stage("probe"), Stage("export", m), Stage("compile", m), Stage("package")]
-    raise ValueError(stage.kind)
+def pending_in(value: Any) -> set[str]:
+    """The stages whose Pending results appear anywhere in a JSON value."""
+    if isinstance(value, Pending):
+        return {value.stage}
+    if isinstance(value, dict):
+        return set().union(*(pending_in(v) for v in value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*(pending_in(v) for v in value)) if value else set()
+    return set()
 
 
-# What a stage needs from the rest of the system to compute its inputs, without torch.
-StampReader = Callable[[Stage], Optional[dict]]
+class Result(NamedTuple):
+    """What a dependent reads of an upstream stage: its semantic digest, its value (probe's
+    toolchain report, verify's numbers) and its output blobs by name."""
+
+    digest: Optional[str]
+    value: Optional[dict] = None
+    outputs: Optional[dict] = None
 
 
-def _digest_of(read: StampReader, stage: Stage) -> Optional[str]:
-    stamp = read(stage)
-    return stamp["digest"] if stamp else None
+# How the engine hands upstream results to a key computation: None when the upstream has none yet.
+ResultReader = Callable[[Stage], Optional[Result]]
 
 
-def _toolchain(read: StampReader, *fields: str) -> dict:
-    stamp = read(Stage("probe"))
-    value = (stamp or {}).get("value") or {}
-    return {f: value.get(f) for f in fields} if fields else value
+@dataclass(frozen=True)
+class KeyContext:
+    """What a row's `params` may read to compute a stage's own key inputs, all without torch."""
+
+    config: BuildConfig
+    method: Optional[str]
+    read: ResultReader
+    fingerprint: Callable[[], dict]
+    checkpoint_digest: Callable[[], Optional[dict]]
 
 
-def stage_inputs(stage: Stage, config: BuildConfig, read: StampReader, cheap_fingerprint: Callable[[], dict],
-                 checkpoint_digest: Callable[[], Optional[dict]]) -> dict:
-    """The JSON inputs whose digest is the stage's action key."""
-    m = stage.method
-    base = {"stage": stage.kind, "version": STAGE_VERSIONS[stage.kind], "target": config.target}
-    if m:
-        base["method"] = m
-    if stage.kind == "probe":
-        return {**base, "fingerprint": cheap_fingerprint()}
-    if stage.kind == "export":
-        return {
-            **base,
-            "model": config.model,
-            "sources": dict(config.description["sources"]),
-            "options": dict(config.options),
-            "checkpoint": checkpoint_digest(),
-            "toolchain": _toolchain(read, "torch"),
-        }
-    if stage.kind == "edge":
-        return {
-            **base,
-            "graph": _digest_of(read, Stage("export", m)),
-            "specs": specs_for_stage(config.specs[m], "edge"),
-            "toolchain": _toolchain(read, "torch", "executorch", "triton"),
-        }
-    if stage.kind == "compile":
-        return {
-            **base,
-            "graph": _digest_of(read, Stage("edge", m)),
-            "specs": specs_for_stage(config.specs[m], "compile"),
-            "toolchain": _toolchain(read),
-            # Pinned tuning decisions dictate the kernels: a different pin is a different compile.
-            "autotune_pin": pinned_digest(config.project, config.model, config.target, m),
-        }
-    if stage.kind == "package":
-        return {
-            **base,
-            "methods": {
-                x: {
-                    "graph": _digest_of(read, Stage("export", x)),
-                    "compiled": _digest_of(read, Stage("compile", x)),
-                    "specs": dict(config.specs[x]),
-                }
-                for x in config.methods
-            },
-            "toolchain": _toolchain(read, "torch", "executorch"),
-        }
-    if stage.kind == "verify":
-        return {
-            **base,
-            "graph": _digest_of(read, Stage("export", m)),
-            "compiled": _digest_of(read, Stage("compile", m)),
-            "tolerances": dict(config.description.get("tolerances", {})),
-            "toolchain": _toolchain(read, "torch"),
-        }
-    raise ValueError(stage.kind)
+@dataclass(frozen=True)
+class StageKind:
+    """One row of the build graph.
+
+    `consumes` names upstream stages: "probe" (a stage run once per build), "export[m]" (the same
+    method's), "compile[*]" (every method's). `results` maps an input field to the consumed stage
+    whose digest it holds, in the same notation: "edge[m]" and "package" fill inputs[field],
+    "compile[*]" fills inputs["methods"][m][field] for every method. `params` adds the stage's
+    other key inputs.
+    """
+
+    kind: str
+    version: int
+    per_method: bool
+    module: str  # where `run(ctx) -> StageResult` lives
+    consumes: tuple[str, ...] = ()
+    results: Mapping[str, str] = field(default_factory=dict)
+    params: Callable[[KeyContext], dict] = lambda ctx: {}
+    final_outputs: bool = False  # its files are the build's outputs, placed in build/<model>/<target>/
+    # explain tells the node-level difference of a graph where it is consumed first (edge reads the
+    # exported graph, compile the edge graph); later consumers just say it changed.
+    explains_graph: bool = False
+    # What explain predicts a stage's value will be before it runs (probe's: the toolchain).
+    predict_value: Optional[Callable[[Optional[dict], dict], dict]] = None
 
 
-# The build outputs a stage places in build/<model>/<target>/ (everything else stays in the store).
-def final_outputs(stage: Stage) -> bool:
-    return stage.kind == "package"
+def _deep_merge(base: dict, extra: Mapping) -> dict:
+    for name, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(name), dict):
+            _deep_merge(base[name], value)
+        else:
+            base[name] = value
+    return base
+
+
+class Pipeline:
+    """The ordered table of stage kinds, and everything the engine asks of the graph."""
+
+    def __init__(self, rows: list[StageKind], fingerprint: Callable[[str], dict]):
+        self.rows = {row.kind: row for row in rows}
+        self.cheap_fingerprint = fingerprint  # target -> cheap toolchain fingerprint (no torch)
+        order = list(self.rows)
+        for row in rows:
+            for name in row.consumes:
+                kind, scope = _parse(name)
+                if kind not in self.rows or order.index(kind) >= order.index(row.kind):
+                    raise ValueError(f"stage kind {row.kind} consumes {name}, which is not an earlier row")
+                if (scope == "m") != (self.rows[kind].per_method and row.per_method) and scope != "*":
+                    raise ValueError(f"stage kind {row.kind} consumes {name}: use kind[m] for the same "
+                                     f"method's stage, kind[*] for every method's, kind for a once-per-build stage")
+            for field_name, name in row.results.items():
+                if name not in row.consumes:
+                    raise ValueError(f"stage kind {row.kind} keys {field_name} on {name}, which it does not consume")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.rows)
+
+    def row(self, stage: Stage) -> StageKind:
+        return self.rows[stage.kind]
+
+    def plan(self, config: BuildConfig) -> list[Stage]:
+        """Every stage of the build, in an order that respects dependencies (the table's order)."""
+        stages: list[Stage] = []
+        for row in self.rows.values():
+            stages += [Stage(row.kind, m) for m in config.methods] if row.per_method else [Stage(row.kind)]
+        return stages
+
+    def dependencies(self, stage: Stage, config: BuildConfig) -> list[Stage]:
+        out: list[Stage] = []
+        for name in self.row(stage).consumes:
+            kind, scope = _parse(name)
+            if scope == "*":
+                out += [Stage(kind, m) for m in config.methods]
+            else:
+                out.append(Stage(kind, stage.method if scope == "m" else None))
+        return out
+
+    def final_outputs(self, stage: Stage) -> bool:
+        return self.row(stage).final_outputs
+
+    def inputs(self, stage: Stage, config: BuildConfig, read: ResultReader, fingerprint: Callable[[], dict],
+               checkpoint_digest: Callable[[], Optional[dict]]) -> dict:
+        """The JSON inputs whose digest is the stage's action key."""
+        row = self.row(stage)
+
+        def digest_of(kind: str, method: Optional[str]) -> Optional[str]:
+            result = read(Stage(kind, method))
+            return result.digest if result else None
+
+        inputs: dict = {"stage": stage.kind, "version": row.version, "target": config.target}
+        if stage.method:
+            inputs["method"] = stage.method
+        for field_name, name in row.results.items():
+            kind, scope = _parse(name)
+            if scope == "*":
+                for m in config.methods:
+                    inputs.setdefault("methods", {}).setdefault(m, {})[field_name] = digest_of(kind, m)
+            else:
+                inputs[field_name] = digest_of(kind, stage.method if scope == "m" else None)
+        ctx = KeyContext(config, stage.method, read, fingerprint, checkpoint_digest)
+        return _deep_merge(inputs, row.params(ctx))
+
+    def upstream_of(self, path: tuple[str, ...], inputs: dict) -> Optional[str]:
+        """The stage id whose result an input leaf is (compile's `graph` is edge's digest, ...)."""
+        row = self.rows.get(inputs.get("stage"))
+        if row is None:
+            return None
+        if len(path) == 1 and path[0] in row.results:
+            kind, scope = _parse(row.results[path[0]])
+            if scope != "*":
+                return Stage(kind, inputs.get("method") if scope == "m" else None).id
+        if len(path) == 3 and path[0] == "methods" and path[2] in row.results:
+            kind, scope = _parse(row.results[path[2]])
+            if scope == "*":
+                return Stage(kind, path[1]).id
+        return None
+
+
+def _parse(name: str) -> tuple[str, str]:
+    """"export[m]" -> ("export", "m"); "compile[*]" -> ("compile", "*"); "probe" -> ("probe", "")."""
+    kind, _, scope = name.partition("[")
+    return kind, scope.rstrip("]")

@@ -1,6 +1,8 @@
-"""The shared remote tier: one Redis behind every builder's local store.
+"""The shared remote tier behind every builder's local store: Redis, and the choice of layouts.
 
     CUDABUILD_REMOTE=redis://HOST:PORT/DB            # read-through, write-back, build-once leases
+    CUDABUILD_REMOTE_BLOBS=s3://BUCKET/PREFIX        # blobs in an object store (s3_blobs.py), not in Redis
+    CUDABUILD_REMOTE=s3://BUCKET/PREFIX              # object-store-only mode (s3_tier.py): no Redis at all
     CUDABUILD_REMOTE_KEY=SECRET                      # sign records (HMAC-SHA256); reject unsigned ones
     CUDABUILD_REMOTE_MODE=read-only                  # untrusted builders (pull-request CI): never write
     CUDABUILD_REMOTE_LEASE_SECONDS=60                # a dead builder's lease lapses after this
@@ -10,7 +12,8 @@ This module owns the Redis side: its key layout, chunked blob transfer checked a
 on arrival, signed action records, per-key build leases with a heartbeat, and degrading to the
 local cache alone when Redis is unreachable (one warning per build, then no more network calls).
 It never touches the local store or build/: store.py decides what to copy where, runner.py when
-to lease. `redis` is imported on the first call that talks to the server, not before.
+to lease. `redis` is imported on the first call that talks to the server, not before; the S3
+modules (and boto3) only when an s3:// URL is configured, and boto3 only on the first call.
 
 Keys (all under `cudabuild:`):
 - `chunk:<sha>:<i>`  the i-th piece of a blob's bytes (at most `chunk_bytes` each);
@@ -26,7 +29,6 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -37,12 +39,15 @@ from urllib.parse import urlsplit, urlunsplit
 from cudabuild.engine import console
 from cudabuild.errors import InvalidRemote, one_line
 from cudabuild.engine.hashing import canonical_json
+from cudabuild.engine.records import well_formed  # the check the local store applies too
+from cudabuild.engine.tier_health import UNREACHABLE, Degrading, TierSettings
 
 REMOTE_ENV = "CUDABUILD_REMOTE"
 KEY_ENV = "CUDABUILD_REMOTE_KEY"
 MODE_ENV = "CUDABUILD_REMOTE_MODE"
 LEASE_ENV = "CUDABUILD_REMOTE_LEASE_SECONDS"
 WAIT_ENV = "CUDABUILD_REMOTE_WAIT_SECONDS"
+BLOBS_ENV = "CUDABUILD_REMOTE_BLOBS"
 MODES = ("read-write", "read-only")
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -52,8 +57,6 @@ BATCH_CHUNKS = 8  # chunks per round trip: 32 MiB in flight at most
 SOCKET_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 1.0
 POLL_SECONDS = 0.5
-
-_SHA = re.compile(r"^[0-9a-f]{64}$")
 
 # Compare-and-act on a lease, so a builder whose lease lapsed and was taken over never renews or
 # deletes the new holder's.
@@ -88,24 +91,55 @@ def _seconds(environ, name: str, default: float, problems: list[str]) -> float:
     return value
 
 
-def from_env(environ=os.environ, warn: Callable[[str], None] = _warn_stderr) -> Optional["RedisTier"]:
-    """The tier $CUDABUILD_REMOTE names, or None when it is unset. Talks to no server."""
+def from_env(environ=os.environ, warn: Callable[[str], None] = _warn_stderr):
+    """The tier $CUDABUILD_REMOTE names (a RedisTier, or an s3_tier.S3Tier for an s3:// URL), with
+    its blobs in $CUDABUILD_REMOTE_BLOBS when that is set; None when $CUDABUILD_REMOTE is unset.
+    Talks to no server, and imports neither redis nor boto3."""
     url = environ.get(REMOTE_ENV, "").strip()
     if not url:
         return None
+    blobs_url = environ.get(BLOBS_ENV, "").strip()
     problems = []
-    if urlsplit(url).scheme not in SCHEMES:
-        problems.append(f"{REMOTE_ENV}={redact(url)} is not a Redis URL; expected redis://HOST:PORT/DB")
+    scheme = urlsplit(url).scheme
+    if scheme not in SCHEMES + ("s3",):
+        problems.append(f"{REMOTE_ENV}={redact(url)} is not a Redis URL nor an s3:// one; "
+                        "expected redis://HOST:PORT/DB or s3://BUCKET/PREFIX")
+    if blobs_url and urlsplit(blobs_url).scheme != "s3":
+        problems.append(f"{BLOBS_ENV}={redact(blobs_url)} is not an s3:// URL; expected s3://BUCKET/PREFIX")
     mode = environ.get(MODE_ENV, "").strip() or "read-write"
     if mode not in MODES:
         problems.append(f"{MODE_ENV}={mode}: expected read-write or read-only")
     lease = _seconds(environ, LEASE_ENV, 60.0, problems)
     wait = _seconds(environ, WAIT_ENV, 3600.0, problems)
+    if scheme == "s3" or blobs_url:
+        from cudabuild.engine.s3_client import parse_url  # no boto3 here
+
+        for name, value in ((REMOTE_ENV, url if scheme == "s3" else ""), (BLOBS_ENV, blobs_url)):
+            if value and urlsplit(value).scheme == "s3":
+                try:
+                    parse_url(value, name)
+                except InvalidRemote as e:
+                    problems.append(str(e))
     if problems:
         raise InvalidRemote("; ".join(problems))
     secret = environ.get(KEY_ENV) or None
-    return RedisTier(url, secret=secret.encode() if secret else None, read_only=mode == "read-only",
-                     lease_seconds=lease, wait_seconds=wait, warn=warn)
+    options = dict(secret=secret.encode() if secret else None, read_only=mode == "read-only",
+                   lease_seconds=lease, wait_seconds=wait, warn=warn)
+    blobs = None
+    if blobs_url or scheme == "s3":
+        from cudabuild.engine.s3_blobs import S3Blobs
+        from cudabuild.engine.s3_client import Bucket
+
+        blobs = S3Blobs(Bucket(blobs_url or url, read_only=options["read_only"], warn=warn, environ=environ))
+    if scheme == "s3":
+        from cudabuild.engine.s3_client import Bucket
+        from cudabuild.engine.s3_tier import S3Tier
+
+        records = Bucket(url, read_only=options["read_only"], warn=warn, environ=environ)
+        if blobs.bucket.url == records.url:
+            records = blobs.bucket  # one client, one warning, when both live in the same place
+        return S3Tier(records, blobs=blobs, **options)
+    return RedisTier(url, blobs=blobs, **options)
 
 
 def inductor_environment(environ=os.environ) -> dict[str, str]:
@@ -128,27 +162,6 @@ def inductor_environment(environ=os.environ) -> dict[str, str]:
     }
 
 
-def well_formed(record) -> bool:
-    """A record's shape: output names are plain file names (they become paths in build/), shas are hex."""
-    if not isinstance(record, dict) or not isinstance(record.get("outputs"), dict):
-        return False
-    outputs = record["outputs"]
-    for name, sha in outputs.items():
-        if not (isinstance(sha, str) and _SHA.match(sha)) or not _plain_name(name):
-            return False
-    finals = record.get("finals", [])
-    return isinstance(finals, list) and all(name in outputs for name in finals) and "digest" in record
-
-
-def _plain_name(name) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-
-
-class _Unreachable:
-    """What a call returns when the server could not be asked (distinct from any reply)."""
-
-
-UNREACHABLE = _Unreachable()
 
 
 class NoLease:
@@ -165,10 +178,13 @@ class NoLease:
 
 
 class Lease:
-    """A held build lease: renewed by a heartbeat thread while the block runs, released after."""
+    """A held build lease: renewed by a heartbeat thread while the block runs, released after.
 
-    def __init__(self, tier: "RedisTier", key: str, token: str):
-        self.tier, self.key, self.token = tier, key, token
+    The tier does the talking (`_renew_lease`, `_release_lease`), so the same lease serves Redis
+    and the object store; `etag` is the object store's handle on the lease object it wrote."""
+
+    def __init__(self, tier, key: str, token: str, etag: Optional[str] = None):
+        self.tier, self.key, self.token, self.etag = tier, key, token, etag
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -186,38 +202,72 @@ class Lease:
 
     def _heartbeat(self) -> None:
         tier = self.tier
-        millis = int(tier.lease_seconds * 1000)
         while not self._stop.wait(tier.lease_seconds / 3):
-            kept = tier._call("lease renewal", lambda r: r.eval(_RENEW, 1, tier._lease_key(self.key), self.token, millis))
+            kept = tier._renew_lease(self)
             if kept is UNREACHABLE:
                 return
             if not kept:
-                tier._warn_once(f"lease:{self.key}", f"the build lease on {self.key[:12]} lapsed; another builder may build it too")
+                tier.warn_once(f"lease:{self.key}", f"the build lease on {self.key[:12]} lapsed; another builder may build it too")
                 return
 
     def release(self) -> None:
-        self.tier._call("lease release", lambda r: r.eval(_RELEASE, 1, self.tier._lease_key(self.key), self.token))
+        self.tier._release_lease(self)
 
 
-class RedisTier:
+def seal(key: str, record: dict, secret: Optional[bytes]) -> str:
+    """A record as the remote tiers store it: JSON {"key", "record", "sig"} (sig with a secret only)."""
+    envelope = {"key": key, "record": record}
+    if secret is not None:
+        envelope["sig"] = _signature(secret, key, record)
+    return json.dumps(envelope, sort_keys=True)
+
+
+def _signature(secret: bytes, key: str, record: dict) -> str:
+    return hmac.new(secret, canonical_json({"key": key, "record": record}).encode(), hashlib.sha256).hexdigest()
+
+
+def unseal(key: str, raw, secret: Optional[bytes], where: str, warn_once) -> Optional[dict]:
+    """The record in a stored envelope, when it is valid JSON, well formed and (with a secret)
+    correctly signed for `key`; else None, with one warning per kind of fault."""
+    try:
+        envelope = json.loads(raw)
+        record = envelope["record"]
+    except (ValueError, KeyError, TypeError):
+        warn_once("malformed", f"remote record for {key[:12]} in {where} is not valid JSON; ignored")
+        return None
+    if secret is not None:
+        sig = envelope.get("sig")
+        if not (isinstance(sig, str) and envelope.get("key") == key and hmac.compare_digest(sig, _signature(secret, key, record))):
+            warn_once("signature", f"remote record for {key[:12]} in {where} is "
+                                   f"{'unsigned' if sig is None else 'badly signed'}; ignored "
+                                   f"(its builder must sign with the same {KEY_ENV})")
+            return None
+    if not well_formed(record):
+        warn_once("malformed", f"remote record for {key[:12]} in {where} is malformed; ignored")
+        return None
+    return record
+
+
+def lease_token() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class RedisTier(TierSettings, Degrading):
     def __init__(self, url: str, *, secret: Optional[bytes] = None, read_only: bool = False,
                  lease_seconds: float = 60.0, wait_seconds: float = 3600.0, chunk_bytes: int = CHUNK_BYTES,
-                 warn: Callable[[str], None] = _warn_stderr):
+                 warn: Callable[[str], None] = _warn_stderr, blobs=None):
+        TierSettings.__init__(self, secret=secret, read_only=read_only, lease_seconds=lease_seconds,
+                              wait_seconds=wait_seconds, warn=warn)
+        Degrading.__init__(self, warn)
         self.url = url
-        self.where = redact(url)
-        self.secret = secret
-        self.read_only = read_only
-        self.lease_seconds = lease_seconds
-        self.wait_seconds = wait_seconds
+        # Blobs in an object store (s3_blobs.S3Blobs) instead of Redis chunks; records and leases stay here.
+        self.blobs = blobs
+        self.where = redact(url) + (f" (blobs in {blobs.where})" if blobs is not None else "")
         self.chunk_bytes = chunk_bytes
-        self.warn = warn
-        self.stats = {"records_in": 0, "records_out": 0, "blobs_in": 0, "blobs_out": 0, "bytes_in": 0, "bytes_out": 0}
         self._client = None
-        self._state = threading.Lock()
-        self._down = False
-        self._writes_off = False
-        self._warned: set[str] = set()
         self._bad: set[str] = set()  # blobs this process found corrupt or incomplete remotely
+        if blobs is not None:
+            blobs.stats = self.stats  # one set of counters per tier
 
     # -- connection and degrading -------------------------------------------------------------------
 
@@ -238,13 +288,6 @@ class RedisTier:
             )
         return self._client
 
-    def _warn_once(self, topic: str, message: str) -> None:
-        with self._state:
-            if topic in self._warned:
-                return
-            self._warned.add(topic)
-        self.warn(message)
-
     def _call(self, what: str, fn, *, write: bool = False):
         """fn(client), or UNREACHABLE when the tier is down (or not writable, for a write)."""
         if self._down or (write and not self.writable):
@@ -256,14 +299,14 @@ class RedisTier:
         except redis.exceptions.ResponseError as e:  # e.g. OOM under maxmemory-policy noeviction
             if write:
                 self._writes_off = True
-                self._warn_once("writes", f"remote cache {self.where} refused a write ({what}: {one_line(e)}); "
+                self.warn_once("writes", f"remote cache {self.where} refused a write ({what}: {one_line(e)}); "
                                           "this build writes nothing more to it")
             else:
-                self._warn_once("reads", f"remote cache {self.where} refused a read ({what}: {one_line(e)})")
+                self.warn_once("reads", f"remote cache {self.where} refused a read ({what}: {one_line(e)})")
             return UNREACHABLE
         except (redis.exceptions.RedisError, OSError) as e:
             self._down = True
-            self._warn_once("down", f"remote cache {self.where} unreachable ({what}: {one_line(e)}); "
+            self.warn_once("down", f"remote cache {self.where} unreachable ({what}: {one_line(e)}); "
                                     "continuing with the local cache only")
             return UNREACHABLE
 
@@ -289,6 +332,8 @@ class RedisTier:
 
     def has_blobs(self, shas: Iterable[str]) -> bool:
         """Whether the tier holds every one of these blobs (by their manifests: one round trip)."""
+        if self.blobs is not None:
+            return self.blobs.has_blobs(shas)
         shas = list(dict.fromkeys(shas))
         if any(sha in self._bad for sha in shas):
             return False
@@ -308,6 +353,8 @@ class RedisTier:
         """Upload a blob's bytes from `source`: every chunk, then the manifest. True when the tier holds it."""
         if not self.writable:
             return False
+        if self.blobs is not None:
+            return self.blobs.put_blob(sha, source)
         if self.has_blobs([sha]):
             return True
 
@@ -340,6 +387,8 @@ class RedisTier:
         A blob with a missing chunk (evicted) is a miss; one whose bytes do not match is reported,
         deleted from the tier when this builder may write, and not offered again in this process.
         """
+        if self.blobs is not None:
+            return self.blobs.get_blob_to_file(sha, dest)
         if sha in self._bad:
             return False
 
@@ -387,39 +436,20 @@ class RedisTier:
 
     # -- records -------------------------------------------------------------------------------------
 
-    def _sign(self, key: str, record: dict) -> str:
-        return hmac.new(self.secret, canonical_json({"key": key, "record": record}).encode(), hashlib.sha256).hexdigest()
-
     def get_record(self, key: str) -> Optional[dict]:
         """The record for an action key, when it is well formed and (with a secret) correctly signed."""
         raw = self._call("record lookup", lambda r: r.get(self._rec_key(key)))
         if raw is UNREACHABLE or raw is None:
             return None
-        try:
-            envelope = json.loads(raw)
-            record = envelope["record"]
-        except (ValueError, KeyError, TypeError):
-            self._warn_once("malformed", f"remote record for {key[:12]} in {self.where} is not valid JSON; ignored")
-            return None
-        if self.secret is not None:
-            sig = envelope.get("sig")
-            if not (isinstance(sig, str) and envelope.get("key") == key and hmac.compare_digest(sig, self._sign(key, record))):
-                self._warn_once("signature", f"remote record for {key[:12]} in {self.where} is "
-                                             f"{'unsigned' if sig is None else 'badly signed'}; ignored "
-                                             f"(its builder must sign with the same {KEY_ENV})")
-                return None
-        if not well_formed(record):
-            self._warn_once("malformed", f"remote record for {key[:12]} in {self.where} is malformed; ignored")
-            return None
-        self.stats["records_in"] += 1
+        record = unseal(key, raw, self.secret, self.where, self.warn_once)
+        if record is not None:
+            self.stats["records_in"] += 1
         return record
 
     def put_record(self, key: str, record: dict) -> bool:
         """Publish a record; call it only once every blob it names is in the tier."""
-        envelope = {"key": key, "record": record}
-        if self.secret is not None:
-            envelope["sig"] = self._sign(key, record)
-        done = self._call("record upload", lambda r: r.set(self._rec_key(key), json.dumps(envelope, sort_keys=True)), write=True)
+        sealed = seal(key, record, self.secret)
+        done = self._call("record upload", lambda r: r.set(self._rec_key(key), sealed), write=True)
         if done is UNREACHABLE:
             return False
         self.stats["records_out"] += 1
@@ -438,11 +468,18 @@ class RedisTier:
         if not self.writable:
             held = self._call("lease lookup", lambda r: r.exists(lease_key))
             return None if held is not UNREACHABLE and held else NoLease()
-        token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        token = lease_token()
         got = self._call("lease", lambda r: r.set(lease_key, token, nx=True, px=int(self.lease_seconds * 1000)), write=True)
         if got is UNREACHABLE:
             return NoLease()
         return Lease(self, key, token) if got else None
+
+    def _renew_lease(self, lease: Lease):
+        millis = int(self.lease_seconds * 1000)
+        return self._call("lease renewal", lambda r: r.eval(_RENEW, 1, self._lease_key(lease.key), lease.token, millis))
+
+    def _release_lease(self, lease: Lease) -> None:
+        self._call("lease release", lambda r: r.eval(_RELEASE, 1, self._lease_key(lease.key), lease.token))
 
     def wait_for_result(self, key: str, deadline: float) -> None:
         """Return once `key`'s record is published, its lease is gone (released, or lapsed with a
@@ -466,7 +503,45 @@ class RedisTier:
                                                       "total_net_input_bytes", "total_net_output_bytes")} | {"keys": r.dbsize()}
 
         found = self._call("info", info)
-        return None if found is UNREACHABLE else found
+        if found is UNREACHABLE:
+            return None
+        if self.blobs is not None:
+            found["blobs"] = self.blobs.where
+        return found
+
+
+def describe(tier) -> list[str]:
+    """What `cudabuild cache stats` says about the shared tier: where it is and what it holds (by
+    asking it: Redis's INFO, a listing of the object store's blobs)."""
+    if tier is None:
+        return []
+    blobs = getattr(tier, "blobs", None)
+    lines = []
+    if isinstance(tier, RedisTier):
+        info = tier.server_info()
+        if info is None:
+            return [f"remote cache {tier.where}: unreachable"]
+        limit = info.get("maxmemory") or 0
+        lines.append(f"remote cache {redact(tier.url)}: Redis, {info['keys']} keys, "
+                     f"{_mib(info.get('used_memory') or 0)} used"
+                     + (f" of {_mib(limit)} ({info.get('maxmemory_policy')})" if limit else "")
+                     + f", {info.get('evicted_keys') or 0} evicted keys")
+    if blobs is not None:
+        usage = blobs.usage()
+        head = "remote cache" if not lines else "  blobs in"
+        if usage is None:
+            lines.append(f"{head} {blobs.where}: unreachable")
+        else:
+            records = ""
+            if not lines and hasattr(tier, "records"):  # object-store-only: its records are objects too
+                listing = tier.records.listing(tier.records.key("rec", ""), "record listing")
+                records = f"{len(listing)} records, " if listing is not None else ""
+            lines.append(f"{head} {blobs.where}: object store, {records}{usage[0]} blobs, {_mib(usage[1])}")
+    return lines
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def push_store(store, tier: Optional[RedisTier] = None) -> int:
@@ -477,4 +552,6 @@ def push_store(store, tier: Optional[RedisTier] = None) -> int:
     for key, record in store.records():
         if store.push(key, record, tier):
             published += 1
+    for key, record in store.shared_docs():  # what the recipes declare: a fresh machine needs no torch
+        tier.put_record(key, record)
     return published

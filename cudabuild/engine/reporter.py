@@ -26,7 +26,7 @@ from cudabuild.engine import console
 
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
 
-# task name -> seconds its stage took last time, or None; set by cudabuild.engine.doit_tasks.
+# task name -> seconds its stage took last time, or None; set by cudabuild.doit_tasks.
 _expected: Callable[[str], Optional[float]] = lambda name: None
 
 
@@ -174,9 +174,13 @@ def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None) -> 
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "remote", "cached")}
     saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in rows if r["status"] != "ran")
     out.write(f"\n{manifest['model']} / {manifest['target']}\n")
-    out.write(f"  {'stage':<10}{'method':<12}{'status':<10}{'seconds':>9}\n")
+    options = {k: v for k, v in (manifest.get("options") or {}).items() if v != ""}
+    if options:  # the values the build used, defaults and what the checkpoint implied included
+        out.write("  options: " + ", ".join(f"{k}={v}" for k, v in options.items()) + "\n")
+    width = max([10] + [len(r["stage"]) + 2 for r in rows])  # a stage kind with a long name keeps its column
+    out.write(f"  {'stage':<{width}}{'method':<12}{'status':<10}{'seconds':>9}\n")
     for r in rows:
-        out.write(f"  {r['stage']:<10}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>9.1f}\n")
+        out.write(f"  {r['stage']:<{width}}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>9.1f}\n")
     out.write(
         f"  ran {counts['ran']}, restored {counts['restored']}, "
         + (f"from remote {counts['remote']}, " if counts["remote"] else "")

@@ -1,6 +1,7 @@
 """Running one stage against the cache: cached, restored from the store, or executed and stored.
 
-For a stage with action key K (the digest of its inputs, see graph.py):
+For a stage with action key K (the digest of its inputs, see graph.py), `decide` climbs one ladder,
+the same for a build, doit's up-to-date check and `cudabuild explain`:
 1. `cached`: its stamp in build/<model>/<target>/.stamps/ holds K, and its final outputs in build/
    still have the recorded hashes (checked by stat through the hash memo). Nothing is done.
 2. `restored`: the store has a record for K whose blobs are all present: the stamp is rewritten
@@ -30,17 +31,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import console, graph, trace
+from cudabuild.engine import cache_admin, console, trace
 from cudabuild.config import BuildConfig
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.files import atomic_copy, atomic_write_text
-from cudabuild.engine.graph import Stage
+from cudabuild.engine.graph import Pipeline, Result, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
+from cudabuild.engine.stamp import Stamp, stamps_dir
 from cudabuild.engine.store import Store
-from cudabuild.backend.toolchain import cheap_fingerprint
 
-STAGE_MODULES = {kind: f"cudabuild.backend.stages.{kind}" for kind in graph.KINDS}
+
+def default_pipeline() -> Pipeline:
+    # The table of stages joins the engine to the backend; the engine takes it as a parameter.
+    from cudabuild.pipeline import PIPELINE
+
+    return PIPELINE
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a stage stands, decided once (Runner.decide) for every caller.
+
+    verdict: `cached` (the stamp holds the key and build/'s files are intact), `restorable` (a
+    record for the key was found: `record`, in `tier` local or remote), `run`, or `wait` (the key
+    depends on upstream results not known yet: `waits`, only when the reader predicts them).
+    """
+
+    stage: Stage
+    verdict: str
+    inputs: dict
+    key: Optional[str]
+    old: Optional[Stamp]
+    record: Optional[dict] = None
+    tier: str = ""
+    waits: frozenset = frozenset()
 
 
 @dataclass
@@ -66,7 +91,7 @@ class StageContext:
     def store(self) -> Store:
         return self.runner.store
 
-    def upstream(self, kind: str, method: Optional[str] = None) -> dict:
+    def upstream(self, kind: str, method: Optional[str] = None) -> Stamp:
         return self.runner.require_stamp(Stage(kind, method))
 
     def blob(self, kind: str, method: Optional[str], name: str) -> bytes:
@@ -83,6 +108,7 @@ class Runner:
     store: Store
     run_id: str
     log: Callable[[str], None] = console.note
+    pipeline: Pipeline = field(default_factory=default_pipeline)
     statuses: dict = field(default_factory=dict)  # stage id -> status for this process
     # Third-party output of a stage that runs goes to its log (cudabuild.engine.console), unless streamed.
     capture_output: bool = True
@@ -94,60 +120,75 @@ class Runner:
 
     # -- stamps ---------------------------------------------------------------------------------
 
-    @property
-    def stamps_dir(self) -> Path:
-        return self.config.build_dir / ".stamps"
-
     def stamp_path(self, stage: Stage) -> Path:
-        return self.stamps_dir / f"{stage.id}.json"
+        return stamps_dir(self.config.build_dir) / f"{stage.id}.json"
 
-    def read_stamp(self, stage: Stage) -> Optional[dict]:
-        try:
-            return json.loads(self.stamp_path(stage).read_text())
-        except (FileNotFoundError, ValueError):
-            return None
+    def read_stamp(self, stage: Stage) -> Optional[Stamp]:
+        return Stamp.load(self.stamp_path(stage))
 
-    def require_stamp(self, stage: Stage) -> dict:
+    def read_result(self, stage: Stage) -> Optional[Result]:
+        stamp = self.read_stamp(stage)
+        return stamp.result if stamp else None
+
+    def require_stamp(self, stage: Stage) -> Stamp:
         stamp = self.read_stamp(stage)
         if stamp is None:
             raise CudabuildError(f"stage {stage.id} has not been built yet for {self.config.model}/{self.config.target}")
         return stamp
 
-    def _write_stamp(self, stage: Stage, stamp: dict) -> None:
-        atomic_write_text(self.stamp_path(stage), json.dumps(stamp, indent=1, sort_keys=True))
+    def _write_stamp(self, stage: Stage, stamp: Stamp) -> None:
+        stamp.save(self.stamp_path(stage))
 
     # -- keys ----------------------------------------------------------------------------------
 
     def fingerprint(self) -> dict:
         if self._fingerprint is None:
-            self._fingerprint = cheap_fingerprint(self.config.target)
+            self._fingerprint = self.pipeline.cheap_fingerprint(self.config.target)
         return self._fingerprint
 
     def checkpoint_digest(self) -> Optional[dict]:
         folder = self.config.checkpoint
         return self.store.hasher.tree(folder) if folder else None
 
-    def inputs(self, stage: Stage) -> dict:
-        return graph.stage_inputs(stage, self.config, self.read_stamp, self.fingerprint, self.checkpoint_digest)
-
-    def key(self, stage: Stage) -> str:
-        return digest(self.inputs(stage))
+    def inputs(self, stage: Stage, read: Optional[ResultReader] = None) -> dict:
+        return self.pipeline.inputs(stage, self.config, read or self.read_result, self.fingerprint,
+                                    self.checkpoint_digest)
 
     # -- up-to-date ----------------------------------------------------------------------------
 
-    def finals_intact(self, stamp: dict) -> bool:
-        for name in stamp.get("finals", []):
-            if self.store.hasher(self.config.build_dir / name) != stamp["outputs"][name]:
-                return False
-        return True
+    def finals_intact(self, stamp: Stamp) -> bool:
+        return all(self.store.hasher(self.config.build_dir / name) == stamp.outputs[name] for name in stamp.finals)
+
+    def decide(self, stage: Stage, read: Optional[ResultReader] = None,
+               find: Optional[Callable[[str], tuple[Optional[dict], str]]] = None) -> Decision:
+        """The up-to-date ladder: cached -> restorable -> run.
+
+        `read` gives upstream results (default: the stamps in build/; explain passes predicted
+        ones, which may be Pending: then the verdict is `wait`). `find(key) -> (record, tier)` looks
+        the key up in the store (a build uses Store.find_record, explain the side-effect-free
+        Store.locate_record); without it the store is not consulted and a restorable stage reads
+        as `run`, which is what doit's up-to-date check wants (the restore happens in execute).
+        """
+        inputs = self.inputs(stage, read)
+        old = self.read_stamp(stage)
+        waits = pending_in(inputs)
+        if waits:
+            return Decision(stage, "wait", inputs, None, old, waits=frozenset(waits))
+        key = digest(inputs)
+        if old is not None and old.key == key and self.finals_intact(old):
+            return Decision(stage, "cached", inputs, key, old)
+        if find is not None:
+            record, tier = find(key)
+            if record is not None:
+                return Decision(stage, "restorable", inputs, key, old, record, tier)
+        return Decision(stage, "run", inputs, key, old)
 
     def is_up_to_date(self, stage: Stage) -> bool:
         self._record_startup()
         start = trace.now_us()
-        stamp = self.read_stamp(stage)
-        key = self.key(stage)
-        fresh = bool(stamp) and stamp.get("key") == key and self.finals_intact(stamp)
-        args = {"status": "cached", "key": key} if fresh else {}
+        decision = self.decide(stage)
+        fresh = decision.verdict == "cached"
+        args = {"status": "cached", "key": decision.key} if fresh else {}
         self.recorder.complete(stage.id, start, trace.now_us(), "stage", step="check", **args)
         return fresh
 
@@ -168,8 +209,8 @@ class Runner:
     def expected_seconds(self, stage: Stage) -> Optional[float]:
         """How long the stage's last run took, for progress: its stamp's, else the newest logged
         build of this model and target that ran it."""
-        stamp = self.read_stamp(stage) or {}
-        seconds = stamp.get("seconds") if stamp.get("status") == "ran" else stamp.get("saved_seconds")
+        stamp = self.read_stamp(stage)
+        seconds = stamp and (stamp.seconds if stamp.status == "ran" else stamp.saved_seconds)
         if seconds:
             return float(seconds)
         for entry in reversed(self.store.build_log(last=50)):
@@ -200,13 +241,12 @@ class Runner:
         return status
 
     def _execute(self, stage: Stage, span: dict) -> str:
-        inputs = self.inputs(stage)
-        key = digest(inputs)
+        decision = self.decide(stage, find=self.store.find_record)
+        key, inputs, old = decision.key, decision.inputs, decision.old
         span["key"] = key
-        old = self.read_stamp(stage)
-        if old and old.get("key") == key and self.finals_intact(old):
+        if decision.verdict == "cached":
             return self._note(stage, "cached")
-        if status := self._restore(stage, key, inputs):
+        if decision.verdict == "restorable" and (status := self._restore(stage, decision)):
             return self._note(stage, status)
         with self._key_lock(key):
             # Another process may have built this key while we waited for the lock, and another
@@ -214,7 +254,7 @@ class Runner:
             status, lease = self._claim(stage, key, inputs)
             if status:
                 return self._note(stage, status)
-            why = explain_reason(old.get("inputs") if old else None, inputs)
+            why = explain_reason(old.inputs if old else None, inputs, self.pipeline)
             with lease:
                 self._run(stage, key, inputs, why)
         return self._note(stage, "ran")
@@ -232,7 +272,9 @@ class Runner:
         for polls in itertools.count():
             lease = remote.try_lease(key) if remote is not None else None
             # Restore after claiming: the holder may have published and let go since our last look.
-            if status := self._restore(stage, key, inputs):
+            record, tier = self.store.find_record(key)
+            found = Decision(stage, "restorable", inputs, key, None, record, tier) if record is not None else None
+            if found is not None and (status := self._restore(stage, found)):
                 if lease is not None:
                     lease.release()
                 return status, None
@@ -249,12 +291,10 @@ class Runner:
         self.statuses[stage.id] = status
         return status
 
-    def _restore(self, stage: Stage, key: str, inputs: dict) -> Optional[str]:
-        """restored (from this cache), remote (the record or a final output came from the shared
-        tier), or None when the key cannot be restored."""
-        record, source = self.store.find_record(key)
-        if record is None:
-            return None
+    def _restore(self, stage: Stage, found: Decision) -> Optional[str]:
+        """Serve a restorable decision: restored (from this cache), remote (the record or a final
+        output came from the shared tier), or None when its blobs turn out unusable."""
+        key, record, source = found.key, found.record, found.tier
         finals = record.get("finals", [])
         if not all(self.store.has_blob(record["outputs"][name]) for name in finals):
             source = "remote"
@@ -266,15 +306,15 @@ class Runner:
             self.store.drop_record(key)
             return None
         status = "remote" if source == "remote" else "restored"
-        self._write_stamp(stage, {
-            "key": key, "inputs": inputs, "digest": record["digest"], "outputs": record["outputs"],
-            "finals": finals, "value": record.get("value"), "status": status, "seconds": 0.0,
-            "saved_seconds": record.get("seconds", 0.0), "run": self.run_id, "reason": None,
-        })
+        self._write_stamp(stage, Stamp(
+            key=key, inputs=found.inputs, digest=record["digest"], outputs=record["outputs"], finals=finals,
+            value=record.get("value"), status=status, seconds=0.0, saved_seconds=record.get("seconds", 0.0),
+            run=self.run_id,
+        ))
         return status
 
     def _run(self, stage: Stage, key: str, inputs: dict, why: str) -> None:
-        module = importlib.import_module(STAGE_MODULES[stage.kind])
+        module = importlib.import_module(self.pipeline.row(stage).module)
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
             ctx = StageContext(self.config, stage, inputs, key, Path(tmp), self, self.log)
@@ -284,20 +324,20 @@ class Runner:
                 outputs = {name: self.store.put_file(path) for name, path in sorted(result.files.items())}
             seconds = round(time.monotonic() - start, 3)
             stage_digest = result.digest or digest(outputs)
-            finals = sorted(result.files) if graph.final_outputs(stage) else []
+            finals = sorted(result.files) if self.pipeline.final_outputs(stage) else []
             record = {"stage": stage.id, "digest": stage_digest, "outputs": outputs, "finals": finals,
                       "value": result.value, "seconds": seconds}
             for name in finals:
                 atomic_copy(result.files[name], self.config.build_dir / name)
         self.store.put_record(key, record)
-        self._write_stamp(stage, {
-            "key": key, "inputs": inputs, "digest": stage_digest, "outputs": outputs, "finals": finals,
-            "value": result.value, "status": "ran", "seconds": seconds, "run": self.run_id, "reason": why,
-        })
+        self._write_stamp(stage, Stamp(
+            key=key, inputs=inputs, digest=stage_digest, outputs=outputs, finals=finals, value=result.value,
+            status="ran", seconds=seconds, run=self.run_id, reason=why,
+        ))
         if self.store.remote is not None:
             with trace.phase("upload"):
                 self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
-        self.store.enforce_limit(self.config.project)
+        cache_admin.enforce_limit(self.store, self.config.project)
 
     @contextlib.contextmanager
     def _key_lock(self, key: str):
@@ -315,7 +355,7 @@ class Runner:
     def _sha_of(self, stage: Stage, name: str) -> str:
         stamp = self.require_stamp(stage)
         try:
-            return stamp["outputs"][name]
+            return stamp.outputs[name]
         except KeyError:
             raise CudabuildError(f"stage {stage.id} has no output named {name}") from None
 
@@ -323,7 +363,7 @@ class Runner:
         """Run a producer again because an output it recorded can no longer be served."""
         stamp = self.read_stamp(stage)
         if stamp:
-            self.store.drop_record(stamp["key"])
+            self.store.drop_record(stamp.key)
         inputs = self.inputs(stage)
         key = digest(inputs)
         self.log(f"{stage.id}: a cached output was missing or corrupt; running it again")
@@ -353,55 +393,48 @@ class Runner:
         stages = []
         outputs = {}
         verify = {}
-        for stage in graph.plan(self.config):
-            stamp = self.read_stamp(stage) or {}
-            this_run = stamp.get("run") == self.run_id
+        for stage in self.pipeline.plan(self.config):
+            stamp = self.read_stamp(stage)
+            this_run = stamp is not None and stamp.run == self.run_id
             # What this process did, not what the stamp says now: another build of the same project
             # may have rewritten the stamp since (its restore of what we ran), which made a stage
             # this build compiled read as "cached" and the other's "restored": no "ran" at all.
             # Under `doit -n` stages run in worker processes: their statuses reach us only through
             # the stamps they wrote with this run's id.
-            status = self.statuses.get(stage.id) or (stamp.get("status") if this_run else None) or "cached"
-            entry = {"stage": stage.kind, "method": stage.method, "key": stamp.get("key"), "status": status,
-                     "seconds": stamp.get("seconds", 0.0) if this_run else 0.0}
-            if this_run and stamp.get("reason"):
-                entry["reason"] = stamp["reason"]
+            status = self.statuses.get(stage.id) or (stamp.status if this_run else None) or "cached"
+            entry = {"stage": stage.kind, "method": stage.method, "key": stamp.key if stamp else None,
+                     "status": status, "seconds": stamp.seconds if this_run else 0.0}
+            if this_run and stamp.reason:
+                entry["reason"] = stamp.reason
             if status in ("restored", "remote", "cached"):
-                entry["saved_seconds"] = stamp.get("saved_seconds", stamp.get("seconds", 0.0))
+                entry["saved_seconds"] = stamp.cost_seconds if stamp else 0.0
             stages.append(entry)
-            for name in stamp.get("finals", []):
-                outputs[name] = stamp["outputs"][name]
-            if stage.kind == "verify" and stamp.get("value"):
-                verify[stage.method] = stamp["value"]
-        probe = self.read_stamp(Stage("probe")) or {}
+            if stamp is None:
+                continue
+            for name in stamp.finals:
+                outputs[name] = stamp.outputs[name]
+            if stage.kind == "verify" and stamp.value:  # the manifest's verify section: each method's numbers
+                verify[stage.method] = stamp.value
+        probe = self.read_stamp(Stage("probe"))
         return {"model": self.config.model, "target": self.config.target, "options": dict(self.config.options),
-                "specs": {m: dict(s) for m, s in self.config.specs.items()}, "toolchain": probe.get("value"),
+                "specs": {m: dict(s) for m, s in self.config.specs.items()}, "toolchain": probe.value if probe else None,
                 "stages": stages, "outputs": dict(sorted(outputs.items())), "verify": verify}
 
-    def pin_autotune(self) -> Path:
-        """`autotune=pin`: write every method's tuning decisions to recipes/<model>.autotune.json.
+    def rekey(self, stage: Stage) -> bool:
+        """Point a built stage's stamp, and a record, at its current key without running it.
 
-        The compile stamps are then re-keyed to the inputs that name the new pin: replaying the
-        decisions a compile just made reproduces that compile, so nothing is rebuilt for it.
+        For a change of inputs known not to change what the stage produces (autotune=pin names the
+        decisions the compile just made, and replaying them reproduces it). False if already so.
         """
-        from cudabuild.backend.tuning import write_pins
-
-        entries = {}
-        for method in self.config.methods:
-            data = json.loads(self.read_output(Stage("compile", method), "autotune.json"))
-            entries[method] = {"tuning_key": data["tuning_key"], "files": data["files"]}
-        path = write_pins(self.config.project, self.config.model, self.config.target, entries)
-        for method in self.config.methods:
-            stage = Stage("compile", method)
-            stamp = self.require_stamp(stage)
-            inputs = self.inputs(stage)
-            key = digest(inputs)
-            if key == stamp["key"]:
-                continue
-            record = {k: stamp[k] for k in ("digest", "outputs", "finals", "value", "seconds")}
-            self.store.put_record(key, dict(record, stage=stage.id))
-            self._write_stamp(stage, dict(stamp, key=key, inputs=inputs))
-        return path
+        stamp = self.require_stamp(stage)
+        inputs = self.inputs(stage)
+        key = digest(inputs)
+        if key == stamp.key:
+            return False
+        self.store.put_record(key, {"stage": stage.id, "digest": stamp.digest, "outputs": stamp.outputs,
+                                    "finals": stamp.finals, "value": stamp.value, "seconds": stamp.seconds})
+        self._write_stamp(stage, stamp.replace(key=key, inputs=inputs))
+        return True
 
     def write_manifest(self) -> dict:
         """After every stage succeeded: manifest.json, the build log, and no stale failure reports."""

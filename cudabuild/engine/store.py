@@ -8,8 +8,12 @@ Layout inside one diskcache.Cache at `$CUDABUILD_CACHE_DIR` (default `~/.cache/c
 - `stat:<path>`    -> the file-hash memo (see hashing.FileHasher).
 
 Every blob is re-hashed on its way out; one that does not match is deleted and reported as
-`CorruptBlob`, so callers rebuild it instead of serving it. A record is only trusted when all the
-blobs it names are present. This module imports neither torch nor executorch.
+`CorruptBlob`, so callers rebuild it instead of serving it. A record is only trusted when it is
+well formed (cudabuild.engine.records, the check the remote tier applies too) and all the blobs it
+names are present; a damaged one is warned about, dropped, and read as a miss, so its stage runs
+again. This module imports neither torch nor executorch, nor anything that builds on Store
+(cache_admin enforces size limits from above). The few reads below diskcache's public API go
+through cudabuild.engine.diskcache_rows.
 
 With $CUDABUILD_REMOTE set, a shared tier (cudabuild.engine.remote) sits behind this one: a record or
 blob missing here is looked up there and copied in (checked against its sha256 on arrival), and
@@ -25,19 +29,25 @@ import json
 import os
 import shutil
 import sqlite3
-import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
 import diskcache
 
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
-from cudabuild.engine.files import atomic_write
+from cudabuild.engine import console, diskcache_rows
+from cudabuild.engine.diskcache_rows import Entry
+from cudabuild.engine.files import atomic_write, temporary_file
 from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
+from cudabuild.engine.records import well_formed
 
 # An unnamed value file this old is a killed write's leftover, not one about to be committed.
 ORPHAN_MIN_AGE_S = 3600
+
+# Documents a shared tier keeps too: what a recipe declares and what its options resolve to (both
+# keyed by the recipe's source digests), so a fresh machine restores without importing torch.
+SHARED_DOCS = ("recipe:", "options:")
 
 # diskcache culls past size_limit on every write; cudabuild evicts by its own rules (gc keeps what
 # build/ references), so the limit is set beyond reach. LRU policy keeps access times up to date.
@@ -73,6 +83,7 @@ class Store:
         self.hasher = FileHasher(self.cache)
         # The shared tier behind this one (cudabuild.engine.remote.RedisTier); None means local only.
         self.remote = remote_from_env()
+        self._damaged_warned: set[str] = set()  # record keys already warned about (once each)
 
     # -- blobs ---------------------------------------------------------------------------------
 
@@ -81,8 +92,7 @@ class Store:
         # the file gone (deleted by hand, a partial restore of the cache dir) and the row kept,
         # put_file skipped the write, so a producer run again to replace the blob could never
         # make it readable and the build failed on every retry.
-        rows = self.cache._sql("SELECT filename FROM Cache WHERE key = ? AND raw = 1", ("blob:" + sha,)).fetchall()
-        return bool(rows) and (rows[0][0] is None or os.path.exists(os.path.join(self.cache.directory, rows[0][0])))
+        return diskcache_rows.readable(self.cache, "blob:" + sha)
 
     def _set(self, key: str, value, what: str, read: bool = False) -> None:
         """diskcache's set, with a failed write reported as one line that names the cache.
@@ -127,16 +137,10 @@ class Store:
         """Copy a blob missing here from the remote tier, when there is one and it holds the blob."""
         if self.remote is None or self.has_blob(sha):
             return
-        incoming = self.root / "incoming"
-        incoming.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=incoming, prefix=sha[:16] + ".")
-        os.close(fd)
-        try:
+        with temporary_file(self.root / "incoming", prefix=sha[:16] + ".") as tmp:
             if self.remote.get_blob_to_file(sha, tmp):  # verified against sha on arrival
                 with open(tmp, "rb") as f:
                     self._set("blob:" + sha, f, f"blob {sha[:12]} from {self.remote.where}", read=True)
-        finally:
-            os.unlink(tmp)
 
     def _hash_blob(self, sha: str, sink=None) -> str:
         """Stream a blob (into `sink`, when given) and return the sha256 of what was read."""
@@ -156,7 +160,7 @@ class Store:
         def write(out):
             if self._hash_blob(sha, out) != sha:
                 self.drop_blob(sha)
-                raise CorruptBlob(f"cached blob {sha[:12]} for {dest.name} failed its sha256 check; dropped, it will be rebuilt")
+                raise CorruptBlob(sha, dest.name)
 
         atomic_write(dest, write)  # a corrupt copy never replaces what dest held
         return dest
@@ -166,7 +170,7 @@ class Store:
         data = io.BytesIO()
         if self._hash_blob(sha, data) != sha:
             self.drop_blob(sha)
-            raise CorruptBlob(f"cached blob {sha[:12]} failed its sha256 check; dropped, it will be rebuilt")
+            raise CorruptBlob(sha)
         return data.getvalue()
 
     def verify_blob(self, sha: str) -> bool:
@@ -199,10 +203,7 @@ class Store:
         A blob named by the record may be in either tier (fetch copies it in when it is needed); a
         record found remotely is copied into this store.
         """
-        raw = self.cache.get("rec:" + key)
-        record, source = _record_from(raw), "local"
-        if raw is not None and record is None:
-            self.drop_record(key)  # unreadable: a miss, and gone so it cannot be one again
+        record, source = self._checked(key, self.cache.get("rec:" + key)), "local"
         if record is None and self.remote is not None:
             record, source = self.remote.get_record(key), "remote"
         if record is None or not self._blobs_reachable(record, remote_ok=True):
@@ -238,10 +239,31 @@ class Store:
 
     def get_json(self, name: str) -> Optional[dict]:
         raw = self.cache.get("doc:" + name)
-        return json.loads(raw) if raw is not None else None
+        if raw is not None:
+            return json.loads(raw)
+        if self.remote is None or not name.startswith(SHARED_DOCS):
+            return None
+        # A fresh machine: what a recipe declares may already be known to the fleet, so the build
+        # restores without importing the recipe (and torch). Copied in, so it is asked once.
+        record = self.remote.get_record(_doc_key(name))
+        value = (record or {}).get("value")
+        if not isinstance(value, dict):
+            return None
+        self._set("doc:" + name, json.dumps(value, sort_keys=True), f"the {name.partition(':')[0]} document")
+        return value
 
     def put_json(self, name: str, value: dict) -> None:
         self._set("doc:" + name, json.dumps(value, sort_keys=True), f"the {name.partition(':')[0]} document")
+        if self.remote is not None and self.remote.writable and name.startswith(SHARED_DOCS):
+            self.remote.put_record(_doc_key(name), _doc_record(name, value))
+
+    def shared_docs(self) -> Iterator[tuple[str, dict]]:
+        """(tier key, record) of every document the shared tier also keeps (see SHARED_DOCS)."""
+        for entry in self.entries("doc:"):
+            name = entry.key[len("doc:"):]
+            raw = diskcache_rows.peek(self.cache, entry.key) if name.startswith(SHARED_DOCS) else None
+            if raw is not None:
+                yield _doc_key(name), _doc_record(name, json.loads(raw))
 
     # -- build log (what `cudabuild cache stats` summarises) ------------------------------------
 
@@ -264,50 +286,32 @@ class Store:
         return entries
 
     # -- inspection and eviction (cudabuild.engine.cache_admin, cudabuild.engine.explain) ---------------------
-    # These read diskcache's `Cache` table directly, so that looking does not count as a use: the
-    # access_time that least-recently-used eviction orders by moves only when a build reads an entry.
+    # These read diskcache's `Cache` table directly (through diskcache_rows), so that looking does not
+    # count as a use: the access_time that least-recently-used eviction orders by moves only when a
+    # build reads an entry.
 
     def entries(self, prefix: str) -> list[Entry]:
         """Every entry whose key starts with `prefix` ("blob:", "rec:", ...), with its size and times."""
-        rows = self.cache._sql(
-            "SELECT key, CASE WHEN filename IS NULL THEN COALESCE(length(value), 0) ELSE size END,"
-            " access_time, store_time FROM Cache WHERE raw = 1 AND substr(key, 1, ?) = ?",
-            (len(prefix), prefix),
-        ).fetchall()
-        return [Entry(*row) for row in rows]
+        return diskcache_rows.entries(self.cache, prefix)
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """{key prefix ("blob", "rec", "stat", "doc", "log"): (entries, bytes)}."""
-        rows = self.cache._sql(
-            "SELECT substr(key, 1, instr(key, ':') - 1) AS kind, COUNT(*),"
-            " SUM(CASE WHEN filename IS NULL THEN COALESCE(length(value), 0) ELSE size END)"
-            " FROM Cache WHERE raw = 1 GROUP BY kind"
-        ).fetchall()
-        return {kind: (count, size or 0) for kind, count, size in rows}
+        return diskcache_rows.usage(self.cache)
 
     def size(self) -> int:
         """Bytes held in blobs and records: what a size limit (gc, CUDABUILD_CACHE_MAX_SIZE) bounds."""
         usage = self.usage()
         return sum(usage.get(kind, (0, 0))[1] for kind in ("blob", "rec"))
 
-    def _peek(self, key: str):
-        rows = self.cache._sql("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchall()
-        if not rows:
-            return None
-        mode, filename, value = rows[0]
-        try:
-            return self.cache._disk.fetch(mode, filename, value, False)
-        except OSError:  # deleted by another process between the select and the read
-            return None
-
     def peek_record(self, key: str) -> Optional[dict]:
         """Like get_record, without marking the record as used."""
-        record = _record_from(self._peek("rec:" + key))
+        record = self._checked(key, diskcache_rows.peek(self.cache, "rec:" + key))
         return record if record is not None and self._blobs_reachable(record, remote_ok=False) else None
 
     def locate_record(self, key: str) -> tuple[Optional[dict], str]:
         """(record, "local" or "remote") as find_record would serve it, changing nothing: no use is
-        recorded and nothing is copied from the remote tier. (None, "") when neither tier can."""
+        recorded and nothing is copied from the remote tier (a damaged local record is still
+        dropped, as every read drops it). (None, "") when neither tier can."""
         record = self.peek_record(key)
         if record is not None:
             return record, "local"
@@ -322,74 +326,78 @@ class Store:
         return not missing or (remote_ok and self.remote is not None and self.remote.has_blobs(missing))
 
     def records(self) -> Iterator[tuple[str, dict]]:
-        """Every (action key, record), readable or not-yet-dropped, without marking any as used."""
+        """Every well-formed (action key, record), without marking any as used; damaged ones are dropped."""
         for entry in self.entries("rec:"):
-            record = _record_from(self._peek(entry.key))
+            key = entry.key[len("rec:"):]
+            record = self._checked(key, diskcache_rows.peek(self.cache, entry.key))
             if record is not None:
-                yield entry.key[len("rec:"):], record
+                yield key, record
 
-    def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
-        """Delete value files that no row names; (files, bytes) deleted.
+    def _checked(self, key: str, raw) -> Optional[dict]:
+        """The record a local `rec:` value holds, or None for none. A damaged one (not JSON, or not
+        well formed: a missing digest, an output outside build/) is a miss: dropped, so it cannot
+        be one again, and warned about once, so its stage running again has a reason."""
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+        except (ValueError, TypeError):  # TypeError: a value that is not text at all
+            record = None
+        if well_formed(record):
+            return record
+        self.drop_record(key)
+        if key not in self._damaged_warned:
+            self._damaged_warned.add(key)
+            stage = record.get("stage") if isinstance(record, dict) else None
+            of = f" of {stage}" if isinstance(stage, str) else ""
+            damage = "is malformed" if isinstance(record, dict) else "is not a JSON object"
+            console.warn(f"cached record {key[:12]}{of} in {self.root} {damage}; dropped, its stage will run again")
+        return None
+
+    def orphan_files(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> list[tuple[Path, int]]:
+        """Value files that no row names, as (path, bytes); what sweep_orphans deletes.
 
         A writer killed after diskcache wrote a blob's file and before its row committed leaves such
         a file: never served, but it holds disk until someone deletes it. Only files untouched for
         `min_age_s` count, so a write still in progress (file first, row a moment later) is left be.
         """
         now = time.time() if now is None else now
-        directory = Path(self.cache.directory)
-        named = {row[0] for row in self.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
-        files = swept = 0
-        for path in directory.glob("*/*/*.val"):
-            if str(path.relative_to(directory)) in named:
-                continue
+        found = []
+        for path in diskcache_rows.unnamed_files(self.cache):
             try:
                 stat = path.stat()
-                if stat.st_mtime > now - min_age_s:
-                    continue
+            except FileNotFoundError:  # another sweep got there first
+                continue
+            if stat.st_mtime <= now - min_age_s:
+                found.append((path, stat.st_size))
+        return found
+
+    def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
+        """Delete the orphan_files; (files, bytes) deleted."""
+        files = swept = 0
+        for path, size in self.orphan_files(min_age_s, now):
+            try:
                 path.unlink()
             except FileNotFoundError:  # another sweep got there first
                 continue
-            files, swept = files + 1, swept + stat.st_size
+            files, swept = files + 1, swept + size
         return files, swept
 
     def evict(self, key: str) -> bool:
         """Delete one entry by its full key ("blob:<sha>", "rec:<key>"); False if it was already gone."""
         return self.cache.delete(key)
 
-    def enforce_limit(self, project: os.PathLike | str):
-        """Keep blobs and records under $CUDABUILD_CACHE_MAX_SIZE (unset: no limit).
-
-        Evicts least-recently-used entries that no stamp under `project`/build/ references (see
-        cache_admin.gc), so the current build's own inputs and outputs are never evicted, and what
-        was evicted is never needed again by this build. Cheap when under the limit: one SQL sum.
-        Returns cache_admin.GcReport when it evicted something, else None.
-        """
-        raw = os.environ.get(MAX_SIZE_ENV, "").strip()
-        if not raw:
-            return None
-        from cudabuild.engine import cache_admin  # cache_admin builds on Store: imported here, not at module load
-
-        limit = cache_admin.parse_size(raw, where=MAX_SIZE_ENV)
-        if self.size() <= limit:
-            return None
-        return cache_admin.gc(self, Path(project), max_bytes=limit)
-
     def close(self) -> None:
         self.cache.close()
 
 
-MAX_SIZE_ENV = "CUDABUILD_CACHE_MAX_SIZE"
+def _doc_key(name: str) -> str:
+    return hashlib.sha256(("doc:" + name).encode()).hexdigest()
 
 
-def _record_from(raw) -> Optional[dict]:
-    """A stored record, or None for no entry or an unreadable one (a damaged record is a miss)."""
-    if raw is None:
-        return None
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
+def _doc_record(name: str, value: dict) -> dict:
+    # The shape of an action record (no outputs), so both tiers store, sign and check it as one.
+    return {"stage": "doc " + name.partition(":")[0], "digest": _doc_key(name), "outputs": {}, "value": value}
 
 
 def _unwritable(root: Path, doing: str, error: BaseException) -> str:
@@ -399,10 +407,3 @@ def _unwritable(root: Path, doing: str, error: BaseException) -> str:
             reason = f"its disk is full ({reason})"
     return (f"cannot write to the cache at {root} while {doing}: {reason}; free space there "
             f"(cudabuild cache gc --max-size SIZE) or set CUDABUILD_CACHE_DIR to a disk with room")
-
-
-class Entry(NamedTuple):
-    key: str
-    bytes: int
-    access_time: float
-    store_time: float

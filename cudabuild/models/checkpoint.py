@@ -1,24 +1,27 @@
 """Hugging Face checkpoints: config.json plus *.safetensors, one file or shards with an index.
 
-Owns reading and writing the safetensors format (an 8-byte little-endian header length, a JSON
-header {name: {dtype, shape, data_offsets}} with an optional `__metadata__`, then the raw bytes)
-and streaming a checkpoint into a model's parameters in place: shard by shard, tensor by tensor,
-straight from a memory map, so the weights are never held twice. Which checkpoint name fills which
-parameter is the model's business (a mapping of name -> `Target`); this module knows no model.
-Must not touch: export, compile, or anything on the device.
+Owns streaming a checkpoint into a model's parameters in place: shard by shard, tensor by tensor,
+read through the `safetensors` library (`safe_open`: a memory map, one tensor at a time), so the
+weights are never held twice. Also owns a writer of the format (an 8-byte little-endian header
+length, a JSON header {name: {dtype, shape, data_offsets}} with an optional `__metadata__`, then
+the raw bytes), for tests and benchmarks, and a header check that names what is wrong with a file
+the library refuses. Which checkpoint name fills which parameter is the model's business (a
+mapping of name -> `Target`); this module knows no model. Must not touch: export, compile, or
+anything on the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
+from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write
@@ -74,7 +77,8 @@ class Header:
 
 
 def read_header(path: PathLike) -> Header:
-    """The parsed header of one .safetensors file, checked against the file's size."""
+    """The parsed header of one .safetensors file, checked against the file's size and the
+    dtypes' sizes (what the writer wrote; reading tensors is the library's, via `open_file`)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -116,27 +120,26 @@ def read_header(path: PathLike) -> Header:
     return Header(path, entries, data_start, metadata)
 
 
-def iter_tensors(header: Header, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The named tensors of one file, as CPU tensors over a private memory map (no copy is made
-    until the caller copies; pages come from the file as they are touched)."""
-    with open(header.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view: torch.frombuffer needs one
-    for name in names:
-        e = header.entries[name]
-        dtype, shape = _DTYPES[e["dtype"]], e["shape"]
-        begin, stop = e["data_offsets"]
-        if stop == begin:
-            yield name, torch.empty(shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(mm, dtype=dtype, count=(stop - begin) // dtype.itemsize, offset=header.data_start + begin)
-        yield name, flat.view(shape)
-    # The map closes when the last tensor over it is gone.
+@contextlib.contextmanager
+def open_file(path: PathLike) -> Iterator:
+    """One .safetensors file opened by the library (tensors are read only when asked for); a file
+    it refuses is named with what is wrong (`read_header`'s check), in one line."""
+    path = Path(path)
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file (listed by the checkpoint)") from None
+    except SafetensorError as e:
+        read_header(path)  # raises the precise reason when the header shows one
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    with handle as f:
+        yield f
 
 
 def load_file(path: PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of one .safetensors file, copied out of the file."""
-    header = read_header(path)
-    return {name: t.clone() for name, t in iter_tensors(header, sorted(header.entries))}
+    with open_file(path) as f:
+        return {name: f.get_tensor(name) for name in sorted(f.keys())}
 
 
 def save_file(path: PathLike, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
@@ -207,7 +210,8 @@ def tensor_files(path: PathLike) -> dict[str, Path]:
     path = _directory(path)
     source = _source(path)
     if source.name != INDEX_FILE:
-        return {name: source for name in read_header(source).entries}
+        with open_file(source) as f:
+            return {name: source for name in f.keys()}
     try:
         weight_map = json.loads(source.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -253,20 +257,22 @@ def load_into(
         by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for file in sorted(by_file):
-            header = read_header(file)
-            names = by_file[file]
-            for name in names:
-                if name not in header.entries:
-                    raise CheckpointError(f"tensor '{name}': {source} lists it in {file}, which does not hold it")
-            for name, src in iter_tensors(header, names):
-                dst = targets[name].view(params)
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise CheckpointError(
-                        f"tensor '{name}' in {file} has shape {list(src.shape)}, expected {list(dst.shape)} "
-                        f"(for '{targets[name].param}')"
-                    )
-                dst.copy_(src)
-                del src
+            with open_file(file) as f:
+                held = set(f.keys())
+                for name in by_file[file]:
+                    if name not in held:
+                        raise CheckpointError(f"tensor '{name}': {source} lists it in {file}, which does not hold it")
+                for name in by_file[file]:
+                    dst = targets[name].view(params)
+                    shape = list(f.get_slice(name).get_shape())  # from the header: nothing read yet
+                    if shape != list(dst.shape):
+                        raise CheckpointError(
+                            f"tensor '{name}' in {file} has shape {shape}, expected {list(dst.shape)} "
+                            f"(for '{targets[name].param}')"
+                        )
+                    src = f.get_tensor(name)  # one tensor in memory at a time
+                    dst.copy_(src)
+                    del src
 
 
 def gather_tensors(module: torch.nn.Module, targets: Mapping[str, Target]) -> dict[str, torch.Tensor]:

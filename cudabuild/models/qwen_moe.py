@@ -1,8 +1,8 @@
 """A Qwen3.5-MoE-style decoder in plain PyTorch, shaped for torch.export and AOTInductor.
 
-Owns the architecture, the table of named sizes and the mapping from Hugging Face tensor names to
-this module's parameters. Must not touch files (cudabuild/checkpoint.py reads them) or any export
-or compile setting (recipes/qwen_moe.py declares those).
+Owns the architecture and the table of named sizes. Must not touch files (cudabuild/models/
+checkpoint.py reads them), Hugging Face names (cudabuild/models/qwen_moe_hf.py maps them) or any
+export or compile setting (recipes/qwen_moe.py declares those).
 
 Every op is one Inductor generates code for itself (matmul, elementwise, reductions, softmax,
 gather, cat, slice_scatter, index_copy_): no custom kernels, no topk/sort, no linalg, no sdpa, no
@@ -23,15 +23,12 @@ Shape letters:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from cudabuild.models.checkpoint import CheckpointError, Target
 
 
 @dataclass(frozen=True)
@@ -58,6 +55,17 @@ class ModelArgs:
     chunk: int  # delta-rule chunk length for prefill
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    dtype: torch.dtype = torch.float32  # of the weights (the delta-rule decay parameters stay fp32)
+    hidden_act: str = "silu"  # of the experts and the shared expert (a key of ACTIVATIONS)
+    # Rotary scaling, as Hugging Face's rope_parameters: "default", "linear" (positions / factor)
+    # or "yarn" (frequencies blended between interpolation and extrapolation, cos/sin scaled).
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max: int = 0  # yarn: the context length the model was trained at
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0  # yarn: the factor on cos and sin
 
     def is_full_attention(self, layer: int) -> bool:
         return (layer + 1) % self.full_attn_every == 0
@@ -76,57 +84,6 @@ class ModelArgs:
             return self
         return replace(self, n_layers=min(n_layers, self.n_layers))
 
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any], max_seq_len: int, chunk: int) -> "ModelArgs":
-        """Args from a Hugging Face config.json (a Qwen3.5-MoE one; `text_config` when nested)."""
-        c = config.get("text_config", config)
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-
-        def need(key):
-            if key not in c:
-                raise CheckpointError(f"config.json: missing '{key}' (a Qwen3.5-MoE text config needs it)")
-            return c[key]
-
-        args = cls(
-            vocab_size=need("vocab_size"),
-            dim=need("hidden_size"),
-            n_layers=need("num_hidden_layers"),
-            n_heads=need("num_attention_heads"),
-            n_kv_heads=need("num_key_value_heads"),
-            head_dim=c.get("head_dim") or need("hidden_size") // need("num_attention_heads"),
-            rope_fraction=c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
-            rope_theta=c.get("rope_theta", rope.get("rope_theta", 10_000.0)),
-            lin_k_heads=need("linear_num_key_heads"),
-            lin_v_heads=need("linear_num_value_heads"),
-            lin_k_dim=need("linear_key_head_dim"),
-            lin_v_dim=need("linear_value_head_dim"),
-            conv_width=need("linear_conv_kernel_dim"),
-            n_experts=need("num_experts"),
-            top_k=need("num_experts_per_tok"),
-            expert_dim=need("moe_intermediate_size"),
-            shared_dim=need("shared_expert_intermediate_size"),
-            full_attn_every=c.get("full_attention_interval") or _interval(c.get("layer_types")),
-            max_seq_len=max_seq_len,
-            chunk=chunk,
-            norm_eps=c.get("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
-        )
-        kinds = c.get("layer_types")
-        expected = ["full_attention" if args.is_full_attention(i) else "linear_attention" for i in range(args.n_layers)]
-        if kinds is not None and list(kinds) != expected:
-            raise CheckpointError(
-                f"config.json: layer_types is not one full-attention layer every "
-                f"{args.full_attn_every} layers; this model supports only that pattern"
-            )
-        return args
-
-
-def _interval(layer_types) -> int:
-    """full_attention_interval read off a layer_types list (transformers stores only the list)."""
-    if not layer_types or "full_attention" not in layer_types:
-        raise CheckpointError("config.json: neither full_attention_interval nor a layer_types list with a full_attention layer")
-    return list(layer_types).index("full_attention") + 1
-
 
 # The named sizes. `tiny` exercises every feature (GQA, partial rotary, grouped delta-rule heads,
 # 3 linear + 1 full layers, routed top-2 of 8 plus a gated shared expert) and lowers in seconds;
@@ -137,19 +94,16 @@ SIZES: dict[str, ModelArgs] = {
         n_heads=4, n_kv_heads=2, head_dim=32, rope_fraction=0.25, rope_theta=10_000.0,
         lin_k_heads=2, lin_v_heads=4, lin_k_dim=32, lin_v_dim=32, conv_width=4,
         n_experts=8, top_k=2, expert_dim=64, shared_dim=64,
-        full_attn_every=2, max_seq_len=128, chunk=8,
+        full_attn_every=2, max_seq_len=128, chunk=8, dtype=torch.float32,
     ),
     "35b-a3b": ModelArgs(
         vocab_size=248_320, dim=2048, n_layers=40,
         n_heads=16, n_kv_heads=2, head_dim=256, rope_fraction=0.25, rope_theta=10_000_000.0,
         lin_k_heads=16, lin_v_heads=32, lin_k_dim=128, lin_v_dim=128, conv_width=4,
         n_experts=256, top_k=8, expert_dim=512, shared_dim=512,
-        full_attn_every=4, max_seq_len=4096, chunk=64,
+        full_attn_every=4, max_seq_len=4096, chunk=64, dtype=torch.bfloat16,
     ),
 }
-
-# Weight dtype of each size when built with random weights.
-DTYPES: dict[str, torch.dtype] = {"tiny": torch.float32, "35b-a3b": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +137,38 @@ class GatedRMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * xf.type_as(x)
         return (y * F.silu(z.float())).type_as(x)
+
+
+# hidden_act -> the function, as Hugging Face's ACT2FN names them.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def rope_frequencies(a: ModelArgs, device) -> Tensor:
+    """The inverse frequencies [R/2] of the rotary embedding, with the args' scaling applied
+    (Hugging Face's `_compute_default/linear/yarn_parameters`)."""
+    R = a.rope_dim
+    inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, R, 2, device=device, dtype=torch.float32) / R))
+    if a.rope_type == "linear":
+        return inv_freq / a.rope_factor
+    if a.rope_type == "yarn":
+        def correction_dim(rotations: float) -> float:
+            return (R * math.log(a.rope_original_max / (rotations * 2 * math.pi))) / (2 * math.log(a.rope_theta))
+
+        low, high = correction_dim(a.rope_beta_fast), correction_dim(a.rope_beta_slow)
+        if a.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, R - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(R // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp  # share of the unscaled frequency, per dim
+        return (inv_freq / a.rope_factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -238,10 +224,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, G, Dh)
         q, k = self.q_norm(q), self.k_norm(k)
 
-        R = a.rope_dim
-        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, R, 2, device=x.device, dtype=torch.float32) / R))
-        angles = input_pos.float()[:, None] * inv_freq[None, :]  # [T, R/2]
-        q, k = apply_rope(q, angles.cos(), angles.sin()), apply_rope(k, angles.cos(), angles.sin())
+        angles = input_pos.float()[:, None] * rope_frequencies(a, x.device)[None, :]  # [T, R/2]
+        cos, sin = angles.cos(), angles.sin()
+        if a.rope_attention_factor != 1.0:
+            cos, sin = cos * a.rope_attention_factor, sin * a.rope_attention_factor
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         keys, values = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # [B, G, S, Dh]
         # Query heads g*rep .. g*rep+rep-1 share kv head g: fold them into the row dimension.
@@ -409,14 +396,15 @@ class GatedDeltaNet(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, dim: int, hidden: int, dtype: torch.dtype, act=F.silu):
         super().__init__()
+        self.act = act
         self.w1 = nn.Linear(dim, hidden, bias=False, dtype=dtype)  # gate
         self.w3 = nn.Linear(dim, hidden, bias=False, dtype=dtype)  # up
         self.w2 = nn.Linear(hidden, dim, bias=False, dtype=dtype)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class MoE(nn.Module):
@@ -431,7 +419,8 @@ class MoE(nn.Module):
         # Stored [E, I, D] (Hugging Face's down_proj is [E, D, I]): then w_down.view(E*I, D) is
         # the dense prefill's second matmul and w_down[e] a contiguous block for decode.
         self.w_down = nn.Parameter(torch.zeros(E, I, D, dtype=dtype))
-        self.shared = FeedForward(D, args.shared_dim, dtype)
+        self.act = ACTIVATIONS[args.hidden_act]
+        self.shared = FeedForward(D, args.shared_dim, dtype, self.act)
         self.shared_gate = nn.Linear(D, 1, bias=False, dtype=dtype)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -461,7 +450,7 @@ class MoE(nn.Module):
             # Decode: read only the k chosen experts. Multiply-and-sum lets Inductor fuse the
             # gather into the reduction instead of copying the experts' weights out first.
             h = (self.w_gate_up[idx].float() * xf.float()[:, None, None, :]).sum(-1)  # [N, k, 2I]
-            act = F.silu(h[..., :I]) * h[..., I:] * w[..., None]  # [N, k, I]
+            act = self.act(h[..., :I]) * h[..., I:] * w[..., None]  # [N, k, I]
             routed = (self.w_down[idx].float() * act[..., None]).sum(dim=(1, 2))  # [N, D]
         else:
             # Prefill: every expert on every token as two dense matmuls, weighted by a routing
@@ -469,7 +458,7 @@ class MoE(nn.Module):
             experts = torch.arange(E, device=x.device)
             chosen = ((idx[..., None] == experts) * w[..., None]).sum(1)  # [N, E]
             h = (xf @ self.w_gate_up.view(E * 2 * I, D).t()).view(B * T, E, 2 * I)
-            act = F.silu(h[..., :I].float()) * h[..., I:].float() * chosen[..., None]  # [N, E, I]
+            act = self.act(h[..., :I].float()) * h[..., I:].float() * chosen[..., None]  # [N, E, I]
             routed = act.to(x.dtype).view(B * T, E * I) @ self.w_down.view(E * I, D)  # [N, D]
         shared = torch.sigmoid(self.shared_gate(xf)) * self.shared(xf)
         return (routed.to(x.dtype) + shared).view(B, T, D)
@@ -493,9 +482,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32):
+    def __init__(self, args: ModelArgs, dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.args = args
+        dtype = dtype or args.dtype
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
         self.layers = nn.ModuleList(Block(args, i, dtype) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
@@ -546,9 +536,10 @@ class Transformer(nn.Module):
         self.tie_weights()
 
 
-def build(args: ModelArgs, dtype: torch.dtype = torch.float32, seed: Optional[int] = 0) -> Transformer:
-    """A model on the CPU in eval mode: random weights from `seed`, or uninitialised when seed is
-    None (for a checkpoint to fill). Built on the meta device first, so no weight is written twice."""
+def build(args: ModelArgs, dtype: Optional[torch.dtype] = None, seed: Optional[int] = 0) -> Transformer:
+    """A model on the CPU in eval mode, its weights of `dtype` (default: the args' own): random
+    from `seed`, or uninitialised when seed is None (for a checkpoint to fill). Built on the meta
+    device first, so no weight is written twice."""
     with torch.device("meta"):
         model = Transformer(args, dtype)
     model.to_empty(device="cpu")
@@ -557,142 +548,3 @@ def build(args: ModelArgs, dtype: torch.dtype = torch.float32, seed: Optional[in
     if seed is not None:
         model.init_random(seed)
     return model.eval().requires_grad_(False)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face names
-
-# The text tower's prefix in Qwen3.5's multimodal checkpoints; text-only ones use "model.".
-HF_PREFIXES = ("model.language_model.", "model.")
-# Tensors of a Qwen3.5 checkpoint that are not part of the text decoder.
-HF_IGNORED = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp)")
-
-_HF_LAYER = {  # Hugging Face name inside layer i -> this model's name inside layers.i
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn.wq.weight",
-    "self_attn.k_proj.weight": "attn.wk.weight",
-    "self_attn.v_proj.weight": "attn.wv.weight",
-    "self_attn.o_proj.weight": "attn.wo.weight",
-    "self_attn.q_norm.weight": "attn.q_norm.weight",
-    "self_attn.k_norm.weight": "attn.k_norm.weight",
-    "linear_attn.in_proj_qkv.weight": "attn.w_qkv.weight",
-    "linear_attn.in_proj_z.weight": "attn.w_z.weight",
-    "linear_attn.in_proj_b.weight": "attn.w_b.weight",
-    "linear_attn.in_proj_a.weight": "attn.w_a.weight",
-    "linear_attn.conv1d.weight": "attn.conv_w",
-    "linear_attn.A_log": "attn.A_log",
-    "linear_attn.dt_bias": "attn.dt_bias",
-    "linear_attn.norm.weight": "attn.norm.weight",
-    "linear_attn.out_proj.weight": "attn.wo.weight",
-    "mlp.gate.weight": "moe.router.weight",
-    "mlp.shared_expert.gate_proj.weight": "moe.shared.w1.weight",
-    "mlp.shared_expert.up_proj.weight": "moe.shared.w3.weight",
-    "mlp.shared_expert.down_proj.weight": "moe.shared.w2.weight",
-    "mlp.shared_expert_gate.weight": "moe.shared_gate.weight",
-}
-_FULL_ONLY, _LINEAR_ONLY = "self_attn.", "linear_attn."
-
-
-def hf_targets(args: ModelArgs, prefix: str = "model.language_model.", fused_experts: bool = True) -> dict[str, Target]:
-    """Every Hugging Face tensor name of a checkpoint for `args` -> where it goes in Transformer.
-
-    Experts come either fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`
-    [E, D, I]) or one tensor per expert (`mlp.experts.{e}.gate_proj.weight` [I, D], ...), each
-    copied into its slice of the stacked parameter.
-    """
-    I = args.expert_dim
-    t: dict[str, Target] = {
-        prefix + "embed_tokens.weight": Target("tok_embeddings.weight"),
-        prefix + "norm.weight": Target("norm.weight"),
-    }
-    if not args.tie_embeddings:
-        t["lm_head.weight"] = Target("output.weight")
-    for i in range(args.n_layers):
-        skip = _LINEAR_ONLY if args.is_full_attention(i) else _FULL_ONLY
-        for hf, ours in _HF_LAYER.items():
-            if not hf.startswith(skip):
-                t[f"{prefix}layers.{i}.{hf}"] = Target(f"layers.{i}.{ours}")
-        hf, ours = f"{prefix}layers.{i}.mlp.experts.", f"layers.{i}.moe."
-        if fused_experts:
-            t[hf + "gate_up_proj"] = Target(ours + "w_gate_up")
-            t[hf + "down_proj"] = Target(ours + "w_down", transpose=True)
-        else:
-            for e in range(args.n_experts):
-                t[f"{hf}{e}.gate_proj.weight"] = Target(ours + "w_gate_up", index=(e, slice(0, I)))
-                t[f"{hf}{e}.up_proj.weight"] = Target(ours + "w_gate_up", index=(e, slice(I, 2 * I)))
-                t[f"{hf}{e}.down_proj.weight"] = Target(ours + "w_down", index=(e,), transpose=True)
-    return t
-
-
-def hf_layout(names) -> tuple[str, bool]:
-    """The (prefix, fused_experts) a checkpoint uses, read off its tensor names."""
-    names = list(names)
-    prefix = next((p for p in HF_PREFIXES if any(n.startswith(p + "layers.") for n in names)), HF_PREFIXES[0])
-    fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
-    return prefix, fused
-
-
-def hf_skipped(args: ModelArgs, prefix: str):
-    """A predicate for checkpoint tensors that are deliberately left unread: the vision tower, the
-    multi-token-prediction head, and layers beyond a depth cut (`args.n_layers`)."""
-    deeper = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
-
-    def skipped(name: str) -> bool:
-        if HF_IGNORED.match(name):
-            return True
-        m = deeper.match(name)
-        return m is not None and int(m.group(1)) >= args.n_layers
-
-    return skipped
-
-
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
-    """A Hugging Face config.json for `args` (text config only), as `ModelArgs.from_hf` reads it."""
-    return {
-        "model_type": "qwen3_5_moe_text",
-        "architectures": ["Qwen3_5MoeForCausalLM"],
-        "dtype": str(dtype).removeprefix("torch."),
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta, "partial_rotary_factor": args.rope_fraction},
-        "linear_num_key_heads": args.lin_k_heads,
-        "linear_num_value_heads": args.lin_v_heads,
-        "linear_key_head_dim": args.lin_k_dim,
-        "linear_value_head_dim": args.lin_v_dim,
-        "linear_conv_kernel_dim": args.conv_width,
-        "num_experts": args.n_experts,
-        "num_experts_per_tok": args.top_k,
-        "moe_intermediate_size": args.expert_dim,
-        "shared_expert_intermediate_size": args.shared_dim,
-        "layer_types": ["full_attention" if args.is_full_attention(i) else "linear_attention" for i in range(args.n_layers)],
-        "rms_norm_eps": args.norm_eps,
-        "tie_word_embeddings": args.tie_embeddings,
-    }
-
-
-def from_checkpoint(path, max_seq_len: int, chunk: int, n_layers: int = 0) -> Transformer:
-    """A Transformer loaded from a Hugging Face directory (config.json + *.safetensors).
-
-    The weight dtype is the checkpoint's (`dtype`/`torch_dtype` in config.json, else bfloat16);
-    `n_layers` > 0 keeps only the first layers.
-    """
-    from cudabuild.models import checkpoint
-
-    config = checkpoint.read_config(path)
-    args = ModelArgs.from_hf(config, max_seq_len=max_seq_len, chunk=chunk).with_layers(n_layers)
-    text = config.get("text_config", config)
-    dtype_name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
-    dtype = getattr(torch, dtype_name or "bfloat16", None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise CheckpointError(f"{path}/config.json: dtype {dtype_name!r} is not a floating-point torch dtype")
-    model = build(args, dtype, seed=None)
-    names = checkpoint.tensor_files(path)
-    prefix, fused = hf_layout(names)
-    checkpoint.load_into(model, path, hf_targets(args, prefix, fused), skip=hf_skipped(args, prefix))
-    model.tie_weights()
-    return model

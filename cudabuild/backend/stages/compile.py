@@ -4,8 +4,9 @@ Everything process-global the compile touches is scoped to it and undone afterwa
 error: the environment (the inductor cache dir, line-info switches, and on cuda the probed
 TRITON_PTXAS_PATH / TORCH_CUDA_ARCH_LIST plan; with a shared Redis, inductor's remote autotune
 cache), the fallback-kernel collector, the SDPA backend choice, and with low_memory_mode=ON the
-KV-freeing device move and the CPU-clone patches (cudabuild.backend.lowmem). Device memory the method
-held is released before returning, so the next method starts from an empty device.
+KV-freeing device move and the CPU-clone patches (cudabuild.backend.lowmem). They are listed, in
+the order they must nest, in one place: `compile_scope`. Device memory the method held is
+released before returning, so the next method starts from an empty device.
 
 Reproducibility: each compile runs in a private inductor dir whose absolute path is a function of
 the action key (`$CUDABUILD_INDUCTOR_DIR/<key>`), emptied first. Inductor embeds that path in the
@@ -23,6 +24,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Iterator
 
 from cudabuild.backend import inductor_phases
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
@@ -68,6 +70,71 @@ def _inductor_dir_lock(cache_dir: Path):
         yield
 
 
+@contextlib.contextmanager
+def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool) -> Iterator[tuple[Any, set]]:
+    """Every process-wide change one compile makes, in one list: entered in this order, undone in
+    reverse, also on error. Yields the program on the compile's device and the set that collects
+    the fallback kernels the compile emits.
+
+    The order, and why:
+    1. The environment, outermost: inductor and Triton read the cache dir, the line-info switches
+       and the cuda plan while they compile, so it encloses everything below and is put back last.
+    2. Inductor's remote autotune cache flag, only where the environment turns that cache on: it
+       stands in for a variable inductor's config read once, when it was imported.
+    3. The program on the device (`_program_on_device`): moved before the patches below are
+       installed, so the move runs with stock inductor and with autograd on, as it always has;
+       and it must precede the low-memory patches, which recognise the KV caches by the freed
+       storage the move leaves. Its device storage is released once those patches are undone.
+    4. The fallback-kernel collector, no_grad and the SDPA math kernel: the state aot_compile
+       traces and lowers the program under.
+    5. With low_memory, lowmem's CPU-clone patches (after the move: see 3).
+    6. The timeline spans, innermost, around inductor's own work only.
+    Each patch saves the attribute it replaces and puts it back on exit; undoing them in reverse
+    (ExitStack's order) is what keeps that right wherever two of them patch the same object.
+    """
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cudabuild.backend import lowmem
+
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(scoped_environ(environment))
+        if environment.get("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE") == "1":
+            from torch._inductor import config as inductor_config
+
+            scope.enter_context(inductor_config.patch(autotune_remote_cache=True))
+        ep = scope.enter_context(_program_on_device(ep, target, low_memory))
+        fallbacks = scope.enter_context(collect_fallbacks())
+        scope.enter_context(torch.no_grad())
+        # SDPA left in the graph (triton_kernel_mode=OFF) must decompose: force the math kernel.
+        scope.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        if low_memory:
+            scope.enter_context(lowmem.compile_time_cpu_clones(torch.device(_device_of(target))))
+        scope.enter_context(inductor_phases.traced())
+        yield ep, fallbacks
+
+
+@contextlib.contextmanager
+def _program_on_device(ep, target: str, low_memory: bool) -> Iterator[Any]:
+    """`ep` moved to the target's device (KV caches freed with low_memory); its device storage is
+    released on exit, so the next method starts from an empty device."""
+    from cudabuild.backend import lowmem
+
+    ep = lowmem.move_program_to_device(ep, _device_of(target), low_memory=low_memory)
+    try:
+        if target == "cuda":
+            from executorch.backends.cuda.passes.move_cond_predicate_to_cpu import MoveCondPredicateToCpuPass
+
+            MoveCondPredicateToCpuPass()(ep)
+        yield ep
+    finally:
+        lowmem.release_device_tensors(ep)
+
+
+def _device_of(target: str) -> str:
+    return "cuda" if target == "cuda" else "cpu"
+
+
 def run(ctx) -> StageResult:
     # The inductor dir is named by the key alone, so every cache on this machine shares it, while
     # the runner's key lock is per cache: two builds with different CUDABUILD_CACHE_DIRs compiling
@@ -79,15 +146,12 @@ def run(ctx) -> StageResult:
 
 def _compile(ctx) -> StageResult:
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from cudabuild.backend import lowmem
 
     method, target = ctx.stage.method, ctx.config.target
     specs = dict(ctx.config.specs[method])
-    toolchain = ctx.upstream("probe")["value"]
+    toolchain = ctx.upstream("probe").value
     low_memory = specs.get("low_memory_mode") == "ON"
-    device = "cuda" if target == "cuda" else "cpu"
+    device = _device_of(target)
     with phase("load"):
         ep = load_program(lambda name: ctx.blob("edge", method, name))
     cache_dir = inductor_dir_for(ctx.key)
@@ -101,35 +165,15 @@ def _compile(ctx) -> StageResult:
         torch.zeros(1, device="cuda")
         torch.cuda.reset_peak_memory_stats(0)
     environment = compile_environment(target, toolchain, cache_dir)
-    with scoped_environ(environment), contextlib.ExitStack() as scope:
-        if environment.get("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE") == "1":
-            # inductor's config read this variable when torch was imported: set it for this compile.
-            from torch._inductor import config as inductor_config
-
-            scope.enter_context(inductor_config.patch(autotune_remote_cache=True))
-        ep = lowmem.move_program_to_device(ep, device, low_memory=low_memory)
+    options = with_custom_shims(aoti_options(specs, target, toolchain))
+    with compile_scope(ep, target=target, environment=environment, low_memory=low_memory) as (ep, fallbacks):
         try:
-            if target == "cuda":
-                from executorch.backends.cuda.passes.move_cond_predicate_to_cpu import MoveCondPredicateToCpuPass
-
-                MoveCondPredicateToCpuPass()(ep)
-            options = with_custom_shims(aoti_options(specs, target, toolchain))
-            fallbacks = scope.enter_context(collect_fallbacks())
-            scope.enter_context(torch.no_grad())
-            # SDPA left in the graph (triton_kernel_mode=OFF) must decompose: force the math kernel.
-            scope.enter_context(sdpa_kernel([SDPBackend.MATH]))
-            if low_memory:
-                scope.enter_context(lowmem.compile_time_cpu_clones(torch.device(device)))
-            scope.enter_context(inductor_phases.traced())
-            try:
-                paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
-            except Exception as e:
-                raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
-            if target == "cuda":
-                check_cuda_fallbacks(method, fallbacks)
-            used = sorted(fallbacks)
-        finally:
-            lowmem.release_device_tensors(ep)
+            paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
+        except Exception as e:
+            raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
+        if target == "cuda":
+            check_cuda_fallbacks(method, fallbacks)
+        used = sorted(fallbacks)
 
     so = next((p for p in paths if p.endswith(".wrapper.so")), None)
     blob = next((p for p in paths if p.endswith(".wrapper_weights.blob")), None)

@@ -11,7 +11,11 @@ from cudabuild.backend.programs import graph_digest, graph_summary, save_program
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.trace import phase
 
-# The eager model, built once per process and options: all methods export the same module.
+# The eager model of the latest (model, options) this process exported: all methods export the
+# same module, and targets of one model share it. Only the latest is kept: a process runs one
+# build's stages together (builds one after another; each `doit -n` worker is its own process),
+# so an earlier model would only hold memory (tens of GB for a real checkpoint), and a later
+# return to it costs one rebuild, which gives the same weights (seeded, or the checkpoint's).
 _MODELS: dict = {}
 
 
@@ -19,6 +23,7 @@ def build_model(ctx):
     config = ctx.config
     key = (config.model, canonical_json(dict(config.options)))
     if key not in _MODELS:
+        _MODELS.clear()  # before building: the old and the new model need not fit together
         recipe = registry.load_recipe(config.project, config.model)
         try:
             _MODELS[key] = (recipe, recipe.build(dict(config.options)))

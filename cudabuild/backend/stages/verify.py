@@ -14,6 +14,7 @@ import os
 
 from cudabuild.errors import VerifyFailed, one_line
 from cudabuild.backend.programs import load_example_inputs, load_program
+from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.trace import phase
 
@@ -161,6 +162,4 @@ def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, d
 
 def _keep_failed_report(ctx, method: str, report: dict) -> None:
     """A failed verify caches nothing, so leave its numbers where a person can read them."""
-    path = ctx.config.build_dir / f"verify-{method}.failed.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    atomic_write_text(ctx.config.build_dir / f"verify-{method}.failed.json", json.dumps(report, indent=1))

@@ -26,13 +26,13 @@ from doit.exceptions import TaskFailed
 
 from cudabuild.engine import console, nightly, reporter, trace
 from cudabuild.config import load_config
-from cudabuild.errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, one_line
+from cudabuild.errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines, one_line
 from cudabuild.engine.files import atomic_write_text
-from cudabuild.engine.graph import dependencies, plan
 from cudabuild.registry import list_models
 from cudabuild.engine.reporter import CudabuildReporter, failure_lines, print_summary
 from cudabuild.engine.runner import Runner
 from cudabuild.engine.store import Store
+from cudabuild.backend.tuning import pin_autotune
 
 RUN_ID = uuid.uuid4().hex
 STARTED = time.monotonic()
@@ -50,7 +50,8 @@ def project_root() -> Path:
 
 
 def fail_fast(error: CudabuildError) -> None:
-    print(f"cudabuild: error: {one_line(error)}", file=sys.stderr)
+    for line in error_lines(error):
+        print(f"cudabuild: error: {line}", file=sys.stderr)
     if os.environ.get("CUDABUILD_VERBOSE"):
         raise error
     sys.exit(2)
@@ -125,7 +126,7 @@ reporter.set_expectations(_expected_seconds)
 def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
     """The sub-tasks of one build, named `<group>:<prefix><stage>` (prefix: to hold several builds)."""
     config = runner.config
-    stages = plan(config)
+    stages = runner.pipeline.plan(config)
     for stage in stages:
         _STAGE_OF_TASK[f"{group}:{prefix}{stage.id}"] = (runner, stage)
         yield {
@@ -133,14 +134,14 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
             "doc": f"{stage.kind} {stage.method or ''}".strip(),
             "actions": [_stage_action(runner, stage)],
             "uptodate": [lambda stage=stage: runner.is_up_to_date(stage)],
-            "task_dep": [f"{group}:{prefix}{d.id}" for d in dependencies(stage, config)],
+            "task_dep": [f"{group}:{prefix}{d.id}" for d in runner.pipeline.dependencies(stage, config)],
             "verbosity": 2,
         }
 
     def manifest():
         if runner.config.autotune == "pin":
             try:
-                path = runner.pin_autotune()
+                path = pin_autotune(runner)
             except CudabuildError as e:
                 return TaskFailed(one_line(e))
             print(f"autotune decisions pinned in {path.relative_to(runner.config.project)}")
@@ -218,7 +219,7 @@ def task_nightly():
     for build, (runner, _) in builds.items():
         if runner is None:
             continue
-        stages = {s.id: s for s in plan(runner.config)}
+        stages = {s.id: s for s in runner.pipeline.plan(runner.config)}
         for task in export_tasks(runner, "nightly", prefix=build + ":"):
             step = task["name"].rpartition(":")[2]
             stage = stages.get(step)

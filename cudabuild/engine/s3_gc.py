@@ -1,0 +1,157 @@
+"""`cudabuild cache gc --remote --max-size SIZE [--keep-days N]`: bound the object store's blobs.
+
+Evicts least-recently-used blobs from the tier's object store (s3_blobs.py) until the blobs
+there take at most SIZE, and never one that a record younger than N days names, nor one used in the
+last hour (a builder may have uploaded it and not yet published the record that names it).
+
+- A blob's last use is the later of its own LastModified (its upload) and its `used/<sha>` marker's
+  (rewritten by every read-write builder that downloads or uploads it): S3 keeps no access times.
+- A record's age: in object-store-only mode, since its object was written; with records on Redis,
+  since it was last read or written (Redis's OBJECT IDLETIME). A record left naming an evicted
+  blob is harmless: builders treat it as a miss, rebuild, and publish it again.
+- Redis-held blobs are not this module's business: Redis evicts them itself (maxmemory-policy).
+
+It reads the tier through its own calls and objects; it never touches the local store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cudabuild.errors import InvalidRemote
+
+GRACE_SECONDS = 3600
+DEFAULT_KEEP_DAYS = 7.0
+DAY = 86400.0
+
+
+@dataclass
+class RemoteGcReport:
+    where: str
+    limit: int
+    before: int = 0  # bytes of blobs before
+    blobs: int = 0
+    evicted: list[str] = field(default_factory=list)
+    evicted_bytes: int = 0
+    pinned: int = 0  # blobs a young record names
+    recent: int = 0  # blobs used within the grace period
+    dry_run: bool = False
+
+    @property
+    def after(self) -> int:
+        return self.before - self.evicted_bytes
+
+    def lines(self) -> list[str]:
+        from cudabuild.engine.cache_admin import format_bytes, plural
+
+        out = [f"remote {self.where}: {plural(self.blobs, 'blob')}, {format_bytes(self.before)}; "
+               f"{'would evict' if self.dry_run else 'evicted'} {plural(len(self.evicted), 'blob')} "
+               f"({format_bytes(self.evicted_bytes)}), {'then' if self.dry_run else 'now'} {format_bytes(self.after)} "
+               f"of {format_bytes(self.limit)}"]
+        if self.after > self.limit:
+            out.append(f"still over the limit: {plural(self.pinned, 'blob')} named by records younger than the kept "
+                       f"days and {plural(self.recent, 'blob')} used in the last hour are never evicted")
+        return out
+
+
+def _records_redis(tier, keep_s: float) -> Optional[list[bytes]]:
+    """The raw envelopes of the Redis records read or written within keep_s seconds."""
+    from cudabuild.engine.remote import UNREACHABLE
+
+    def young(r):
+        keys = list(r.scan_iter(match=tier._rec_key("*"), count=1000))
+        pipe = r.pipeline(transaction=False)
+        for key in keys:
+            pipe.object("idletime", key)
+        idle = pipe.execute(raise_on_error=False)
+        # No idle time (an LFU policy answers with an error): count the record as young.
+        chosen = [k for k, t in zip(keys, idle) if not isinstance(t, int) or t < keep_s]
+        raws = []
+        for start in range(0, len(chosen), 500):
+            raws.extend(r.mget(chosen[start:start + 500]))
+        return raws
+
+    found = tier._call("record listing", young)
+    return None if found is UNREACHABLE else [raw for raw in found if raw is not None]
+
+
+def _records_s3(tier, keep_s: float, now: float) -> Optional[list[bytes]]:
+    """The raw envelopes of the record objects written within keep_s seconds."""
+    bucket = tier.records
+    listing = bucket.listing(bucket.key("rec", ""), "record listing")
+    if listing is None:
+        return None
+    keys = [o["Key"] for o in listing if now - o["LastModified"].timestamp() < keep_s]
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(lambda key: bucket.get_small(key, "record lookup"), keys))
+    return [f[0] for f in found if isinstance(f, tuple)]
+
+
+def _named(raws: list[bytes]) -> set[str]:
+    shas = set()
+    for raw in raws:
+        try:
+            outputs = json.loads(raw)["record"]["outputs"]
+            shas.update(sha for sha in outputs.values() if isinstance(sha, str))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # unreadable: it pins nothing (builders ignore it too)
+    return shas
+
+
+def command(max_size: Optional[str], keep_days: float, dry_run: bool = False) -> list[str]:
+    """`cudabuild cache gc --remote`: the tier the environment names, bounded to --max-size."""
+    from cudabuild.engine import remote
+    from cudabuild.engine.cache_admin import parse_size
+
+    if not max_size:
+        raise InvalidRemote("cache gc --remote needs --max-size SIZE (what the object store's blobs may take)")
+    tier = remote.from_env()
+    if tier is None:
+        raise InvalidRemote(f"cache gc --remote needs the shared tier: set {remote.REMOTE_ENV} (and {remote.BLOBS_ENV})")
+    return gc_remote(tier, parse_size(max_size, "--max-size"), keep_days, dry_run=dry_run).lines()
+
+
+def gc_remote(tier, max_bytes: int, keep_days: float = DEFAULT_KEEP_DAYS, now: Optional[float] = None,
+              grace_s: float = GRACE_SECONDS, dry_run: bool = False) -> RemoteGcReport:
+    blobs = getattr(tier, "blobs", None)
+    if tier is None or blobs is None:
+        raise InvalidRemote("cache gc --remote bounds an object store's blobs: set CUDABUILD_REMOTE_BLOBS=s3://BUCKET/PREFIX "
+                            "(or CUDABUILD_REMOTE=s3://...); Redis evicts its own (maxmemory-policy allkeys-lru)")
+    if not tier.writable:
+        raise InvalidRemote(f"cache gc --remote deletes from {tier.where}; it cannot run with CUDABUILD_REMOTE_MODE=read-only")
+    now = time.time() if now is None else now
+    keep_s = keep_days * DAY
+    raws = _records_s3(tier, keep_s, now) if hasattr(tier, "records") else _records_redis(tier, keep_s)
+    bucket = blobs.bucket
+    listing = bucket.listing(bucket.key("blobs", ""), "blob listing")
+    markers = bucket.listing(bucket.key("used", ""), "use listing")
+    if raws is None or listing is None or markers is None:
+        raise InvalidRemote(f"cache gc --remote could not list {tier.where} (see the warning above); nothing was evicted")
+    pinned = _named(raws)
+    used = {o["Key"].rsplit("/", 1)[-1]: o["LastModified"].timestamp() for o in markers}
+    report = RemoteGcReport(tier.where, max_bytes, dry_run=dry_run)
+    candidates = []
+    for o in listing:
+        sha, size = o["Key"].rsplit("/", 1)[-1], int(o["Size"])
+        last = max(o["LastModified"].timestamp(), used.get(sha, 0.0))
+        report.blobs += 1
+        report.before += size
+        if sha in pinned:
+            report.pinned += 1
+        elif now - last < grace_s:
+            report.recent += 1
+        else:
+            candidates.append((last, sha, size))
+    for _, sha, size in sorted(candidates):
+        if report.after <= max_bytes:
+            break
+        if dry_run or bucket.delete(blobs.blob_key(sha), f"eviction of blob {sha[:12]}"):
+            if not dry_run:
+                bucket.delete(blobs.used_key(sha), f"eviction of blob {sha[:12]}")
+            report.evicted.append(sha)
+            report.evicted_bytes += size
+    return report

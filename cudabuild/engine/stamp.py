@@ -1,0 +1,85 @@
+"""A stage's stamp: build/<model>/<target>/.stamps/<stage id>.json, what the last run or restore of
+that stage in this build directory recorded.
+
+The one reader and the one writer of stamps. A stamp holds the stage's action key and the inputs
+that key was computed from (how `explain` names what changed), the stage's semantic digest, its
+outputs' blob hashes (which of them were placed in build/: `finals`), its value, and how and when
+it was brought up to date. Everything else (the runner, explain, the manifest, the cache tools,
+autotune pinning) reads stamps through this class. A stamp that cannot be read (damaged, written
+by an incompatible cudabuild) is treated as absent: its stage is decided again from the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+from cudabuild.engine.files import atomic_write_text
+from cudabuild.engine.graph import Result
+
+
+@dataclass(frozen=True)
+class Stamp:
+    key: str
+    inputs: dict
+    digest: str
+    outputs: dict  # output name -> sha256 of its blob
+    finals: list = field(default_factory=list)  # the outputs placed in build/
+    value: Optional[dict] = None
+    status: str = "ran"  # ran | restored | remote
+    seconds: float = 0.0  # what bringing it up to date took here
+    run: Optional[str] = None  # the id of the build process that wrote it
+    reason: Optional[str] = None  # why it ran (None for a restore)
+    saved_seconds: Optional[float] = None  # a restore: what the run it replaced took
+
+    @property
+    def result(self) -> Result:
+        return Result(self.digest, self.value, self.outputs)
+
+    @property
+    def cost_seconds(self) -> float:
+        """What running the stage costs: this run's time, or, for a restore, the time it saved."""
+        return self.saved_seconds if self.saved_seconds is not None else self.seconds
+
+    def replace(self, **changes) -> "Stamp":
+        return dataclasses.replace(self, **changes)
+
+    # -- the one reader and writer ------------------------------------------------------------
+
+    @classmethod
+    def from_json(cls, data) -> Optional["Stamp"]:
+        if not isinstance(data, dict):
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            stamp = cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError:  # a required field is missing
+            return None
+        well_formed = (isinstance(stamp.key, str) and isinstance(stamp.inputs, dict) and isinstance(stamp.outputs, dict)
+                       and all(name in stamp.outputs for name in stamp.finals))
+        return stamp if well_formed else None
+
+    @classmethod
+    def load(cls, path: Path) -> Optional["Stamp"]:
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError):  # absent, being replaced right now, or damaged
+            return None
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True))
+
+
+def stamps_dir(build_dir: Path) -> Path:
+    return build_dir / ".stamps"
+
+
+def all_stamps(project: Path) -> Iterator[tuple[str, Stamp]]:
+    """("model/target/stage", stamp) for every readable stamp under project/build/."""
+    for path in sorted(Path(project).glob("build/*/*/.stamps/*.json")):
+        stamp = Stamp.load(path)
+        if stamp is not None:
+            yield f"{path.parent.parent.parent.name}/{path.parent.parent.name}/{path.stem}", stamp

@@ -1,0 +1,89 @@
+"""The CUDA lowering pipeline as data: the table of stage kinds the engine builds.
+
+    probe ─┬─> export[m] ─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
+           │                                      └─> verify[m]
+           └──────────────(toolchain)─────────────┘
+
+Each row says whether the stage runs per method, what it consumes, which of its key inputs are
+upstream digests, what else enters its key (`params`), and its version (bump it when the stage's
+implementation changes what it produces). The stage's code is the module the row names, with
+`run(ctx) -> StageResult`. This module joins the engine (cudabuild.engine.graph) and the backend
+(cudabuild.backend): it imports neither torch nor executorch.
+"""
+
+from __future__ import annotations
+
+from cudabuild.backend import toolchain
+from cudabuild.backend.tuning import pinned_digest
+from cudabuild.engine.graph import KeyContext, Pipeline, Stage, StageKind
+from cudabuild.specs import specs_for_stage
+
+STAGES = "cudabuild.backend.stages."
+
+
+def _toolchain(ctx: KeyContext, *fields: str) -> dict:
+    """The toolchain probe reported (the fields a stage depends on, or all of them)."""
+    probe = ctx.read(Stage("probe"))
+    value = (probe.value if probe else None) or {}
+    return {f: value.get(f) for f in fields} if fields else value
+
+
+def _probe(ctx: KeyContext) -> dict:
+    return {"fingerprint": ctx.fingerprint()}
+
+
+def _export(ctx: KeyContext) -> dict:
+    config = ctx.config
+    return {
+        "model": config.model,
+        "sources": dict(config.description["sources"]),
+        "options": dict(config.options),
+        "checkpoint": ctx.checkpoint_digest(),
+        "toolchain": _toolchain(ctx, "torch"),
+    }
+
+
+def _edge(ctx: KeyContext) -> dict:
+    return {"specs": specs_for_stage(ctx.config.specs[ctx.method], "edge"),
+            "toolchain": _toolchain(ctx, "torch", "executorch", "triton")}
+
+
+def _compile(ctx: KeyContext) -> dict:
+    config = ctx.config
+    return {
+        "specs": specs_for_stage(config.specs[ctx.method], "compile"),
+        "toolchain": _toolchain(ctx),
+        # Pinned tuning decisions dictate the kernels: a different pin is a different compile.
+        "autotune_pin": pinned_digest(config.project, config.model, config.target, ctx.method),
+    }
+
+
+def _package(ctx: KeyContext) -> dict:
+    # Every spec is serialized into the .pte, so all of them key the package.
+    return {"methods": {m: {"specs": dict(ctx.config.specs[m])} for m in ctx.config.methods},
+            "toolchain": _toolchain(ctx, "torch", "executorch")}
+
+
+def _verify(ctx: KeyContext) -> dict:
+    return {"tolerances": dict(ctx.config.description.get("tolerances", {})), "toolchain": _toolchain(ctx, "torch")}
+
+
+PIPELINE = Pipeline(
+    [
+        StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
+                  predict_value=toolchain.predict_probe_value),
+        StageKind("export", version=2, per_method=True, module=STAGES + "export", consumes=("probe",),
+                  params=_export),
+        StageKind("edge", version=3, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
+                  results={"graph": "export[m]"}, params=_edge, explains_graph=True),
+        StageKind("compile", version=1, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
+                  results={"graph": "edge[m]"}, params=_compile, explains_graph=True),
+        StageKind("package", version=3, per_method=False, module=STAGES + "package",
+                  consumes=("probe", "export[*]", "compile[*]"), results={"graph": "export[*]", "compiled": "compile[*]"},
+                  params=_package, final_outputs=True),
+        StageKind("verify", version=1, per_method=True, module=STAGES + "verify",
+                  consumes=("probe", "export[m]", "compile[m]", "package"),
+                  results={"graph": "export[m]", "compiled": "compile[m]"}, params=_verify),
+    ],
+    fingerprint=toolchain.cheap_fingerprint,
+)

@@ -1,0 +1,23 @@
+"""The build-lease checks both shared tiers (Redis, an S3 bucket) must pass, in one place."""
+
+from __future__ import annotations
+
+import time
+
+from cudabuild.engine import remote
+
+
+def assert_taken_over_when_the_holder_dies(tier, holder, *, wait: float, lapse_under: float, released=lambda: True):
+    """Kill `holder` (a process that holds lease "K" on the same server as `tier`): the lease lapses
+    within `lapse_under` seconds, a waiter takes it over, and leaving its block releases it."""
+    holder.kill()
+    holder.wait(timeout=10)
+    died = time.monotonic()
+    tier.wait_for_result("K", deadline=died + wait)
+    lapsed = time.monotonic() - died
+    lease = tier.try_lease("K")
+    assert isinstance(lease, remote.Lease) and lapsed < lapse_under
+    with lease:
+        assert tier.try_lease("K") is None
+    assert released(), "released on exit"
+    assert isinstance(tier.try_lease("K"), remote.Lease)

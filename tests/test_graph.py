@@ -1,0 +1,82 @@
+"""The build graph as a table (cudabuild.engine.graph, cudabuild.pipeline): the plan, dependencies,
+key inputs and upstream names all come from the rows, so a new stage kind is one row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cudabuild.engine.graph import Pending, Pipeline, Result, Stage, StageKind, pending_in
+from cudabuild.engine.hashing import digest
+from cudabuild.pipeline import PIPELINE
+
+CONFIG = SimpleNamespace(model="tiny_lm", target="cpu", methods=("decode", "prefill"), project=Path("/nonexistent"),
+                         options={}, specs={"decode": {"max_autotune": "OFF"}, "prefill": {"max_autotune": "OFF"}},
+                         description={"sources": {"recipes/tiny_lm.py": "s"}, "tolerances": {"atol": 1e-3}},
+                         checkpoint=None)
+
+
+def _read(results: dict):
+    return lambda stage: results.get(stage.id)
+
+
+def test_the_plan_and_dependencies_follow_the_table():
+    assert [s.id for s in PIPELINE.plan(CONFIG)] == [
+        "probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
+        "compile.prefill", "package", "verify.decode", "verify.prefill"]
+    deps = lambda stage: [d.id for d in PIPELINE.dependencies(stage, CONFIG)]
+    assert deps(Stage("probe")) == []
+    assert deps(Stage("compile", "prefill")) == ["probe", "edge.prefill"]
+    assert deps(Stage("package")) == ["probe", "export.decode", "export.prefill", "compile.decode", "compile.prefill"]
+    assert deps(Stage("verify", "decode")) == ["probe", "export.decode", "compile.decode", "package"]
+    assert [PIPELINE.final_outputs(s) for s in (Stage("compile", "decode"), Stage("package"))] == [False, True]
+
+
+def test_upstream_digests_enter_the_key_and_are_named_back():
+    results = {"probe": Result("p", {"torch": "2.13"}), "export.decode": Result("e1"), "export.prefill": Result("e2"),
+               "edge.decode": Result("g1"), "compile.decode": Result("c1"), "compile.prefill": Result("c2")}
+    compile_in = PIPELINE.inputs(Stage("compile", "decode"), CONFIG, _read(results), lambda: {}, lambda: None)
+    assert compile_in["graph"] == "g1" and compile_in["version"] == PIPELINE.rows["compile"].version
+    assert PIPELINE.upstream_of(("graph",), compile_in) == "edge.decode"
+    package_in = PIPELINE.inputs(Stage("package"), CONFIG, _read(results), lambda: {}, lambda: None)
+    # Upstream digests and the row's own params merge under methods.<m>.
+    assert package_in["methods"]["prefill"] == {"graph": "e2", "compiled": "c2", "specs": {"max_autotune": "OFF"}}
+    assert PIPELINE.upstream_of(("methods", "prefill", "compiled"), package_in) == "compile.prefill"
+    assert PIPELINE.upstream_of(("methods", "prefill", "specs"), package_in) is None
+    # A different upstream result is a different key downstream (and only there).
+    changed = dict(results, **{"edge.decode": Result("g1-new")})
+    again = lambda stage, res: digest(PIPELINE.inputs(stage, CONFIG, _read(res), lambda: {}, lambda: None))
+    assert again(Stage("compile", "decode"), changed) != again(Stage("compile", "decode"), results)
+    assert again(Stage("compile", "prefill"), changed) == again(Stage("compile", "prefill"), results)
+
+
+def test_a_pending_upstream_shows_in_the_inputs():
+    results = {"probe": Result("p", {"torch": "2.13"}), "export.decode": Result(Pending("export.decode"))}
+    inputs = PIPELINE.inputs(Stage("edge", "decode"), CONFIG, _read(results), lambda: {}, lambda: None)
+    assert pending_in(inputs) == {"export.decode"}
+
+
+def test_a_new_stage_kind_is_one_row():
+    rows = list(PIPELINE.rows.values()) + [StageKind(
+        "size_report", version=1, per_method=False, module="cudabuild.backend.stages.size_report",
+        consumes=("package",), results={"packaged": "package"}, params=lambda ctx: {"limit": 10})]
+    grown = Pipeline(rows, fingerprint=PIPELINE.cheap_fingerprint)
+    assert grown.plan(CONFIG)[-1] == Stage("size_report")
+    assert [d.id for d in grown.dependencies(Stage("size_report"), CONFIG)] == ["package"]
+    inputs = grown.inputs(Stage("size_report"), CONFIG, _read({"package": Result("pk")}), lambda: {}, lambda: None)
+    assert inputs == {"stage": "size_report", "version": 1, "target": "cpu", "packaged": "pk", "limit": 10}
+    assert grown.upstream_of(("packaged",), inputs) == "package"
+
+
+def test_a_row_that_consumes_a_later_or_unknown_kind_is_refused():
+    probe = PIPELINE.rows["probe"]
+    with pytest.raises(ValueError, match="consumes export"):
+        Pipeline([StageKind("early", 1, False, "m", consumes=("export[m]",)), probe], fingerprint=dict)
+    per_method = StageKind("lint", 1, True, "m", consumes=("probe",))
+    with pytest.raises(ValueError, match=r"use kind\[m\] for the same method's stage"):
+        Pipeline([probe, per_method, StageKind("sum", 1, True, "m", consumes=("lint",))], fingerprint=dict)
+    with pytest.raises(ValueError, match="keys graph on lint\\[m\\], which it does not consume"):
+        Pipeline([probe, per_method, StageKind("sum", 1, True, "m", consumes=("probe",), results={"graph": "lint[m]"})],
+                 fingerprint=dict)

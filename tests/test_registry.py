@@ -1,0 +1,35 @@
+"""Tests for cudabuild/registry.py: a recipe's sources are its file and the project modules it
+imports, so an edit of the model a recipe builds (cudabuild/models/...) is a source change."""
+
+from __future__ import annotations
+
+import pytest
+
+from cudabuild import registry
+from cudabuild.engine.store import Store
+
+
+@pytest.mark.parametrize("model, modules", [
+    ("tiny_lm", ["cudabuild/models/tiny_lm.py"]),
+    ("qwen_moe", ["cudabuild/models/qwen_moe.py", "cudabuild/models/qwen_moe_hf.py", "cudabuild/models/checkpoint.py"]),
+])
+def test_the_model_modules_a_recipe_imports_are_its_sources(project, model, modules):
+    sources = [str(p.relative_to(project.root)) for p in registry.source_files(project.root, model)]
+    assert f"recipes/{model}.py" in sources
+    assert set(modules) <= set(sources), sources
+
+
+@pytest.mark.parametrize("model, edited", [
+    ("tiny_lm", "cudabuild/models/tiny_lm.py"),
+    ("qwen_moe", "cudabuild/models/qwen_moe_hf.py"),
+])
+def test_editing_a_model_module_changes_the_described_sources(project, model, edited):
+    store = Store(project.cache)
+    try:
+        before = registry.describe(project.root, model, store)["sources"]
+        path = project.root / edited
+        path.write_text(path.read_text() + "\n# an edit\n")
+        after = registry.describe(project.root, model, store)["sources"]
+    finally:
+        store.close()
+    assert {name for name in before if before[name] != after[name]} == {edited}

@@ -1,0 +1,95 @@
+"""Runner.decide: the one up-to-date ladder (cached -> restorable -> run) that a build, doit's
+up-to-date check and `cudabuild explain` all ask. Driven in-process against a real tiny_lm build."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from cudabuild.config import load_config
+from cudabuild.engine.graph import Stage
+from cudabuild.engine.runner import Runner
+from cudabuild.engine.stamp import Stamp
+from cudabuild.engine.store import Store
+
+pytestmark = pytest.mark.slow  # shares the session's one real tiny_lm build
+
+
+@pytest.fixture
+def runner_for(tiny_copy, monkeypatch):
+    """A Runner over a private copy of the built project, as `doit export model=tiny_lm target=cpu SETTINGS`."""
+    monkeypatch.setenv("CUDABUILD_CACHE_DIR", str(tiny_copy.cache))
+    for name in [n for n in os.environ if n.startswith("CUDABUILD_REMOTE")]:
+        monkeypatch.delenv(name)
+    stores = []
+
+    def make(**settings) -> Runner:
+        store = Store(tiny_copy.cache)
+        stores.append(store)
+        config = load_config(tiny_copy.root, {"model": "tiny_lm", "target": "cpu", **settings}, store)
+        return Runner(config, store, run_id="test")
+
+    yield make, tiny_copy
+    for store in stores:
+        store.close()
+
+
+def test_a_built_project_is_cached_everywhere(runner_for):
+    make, _ = runner_for
+    runner = make()
+    decisions = [runner.decide(s, find=runner.store.locate_record) for s in runner.pipeline.plan(runner.config)]
+    assert {d.verdict for d in decisions} == {"cached"}
+    assert all(d.key == d.old.key for d in decisions)
+    assert runner.is_up_to_date(Stage("package"))
+
+
+def test_a_missing_output_is_restorable_and_only_a_lookup_finds_that(runner_for):
+    make, project = runner_for
+    runner = make()
+    (project.build_dir / "model.pte").unlink()
+    stage = Stage("package")
+    assert runner.decide(stage).verdict == "run"  # doit's check: not up to date; execute will restore
+    found = runner.decide(stage, find=runner.store.locate_record)
+    assert found.verdict == "restorable" and found.tier == "local"
+    assert found.record["outputs"]["model.pte"] == found.old.outputs["model.pte"]
+    assert runner.execute(stage) == "restored" and (project.build_dir / "model.pte").exists()
+
+
+def test_a_spec_change_runs_that_methods_compile_and_waits_on_predicted_results(runner_for):
+    make, _ = runner_for
+    runner = make(**{"decode.emulate_precision_casts": "OFF"})
+    compile_decode = runner.decide(Stage("compile", "decode"), find=runner.store.locate_record)
+    assert compile_decode.verdict == "run" and compile_decode.key != compile_decode.old.key
+    assert runner.decide(Stage("compile", "prefill")).verdict == "cached"
+    # With explain's reader, package depends on a result that compile has not produced yet.
+    from cudabuild.engine.graph import Pending, Result
+
+    predicted = lambda s: Result(Pending(s.id)) if s.id == "compile.decode" else runner.read_result(s)
+    waiting = runner.decide(Stage("package"), read=predicted, find=runner.store.locate_record)
+    assert waiting.verdict == "wait" and waiting.waits == {"compile.decode"} and waiting.key is None
+
+
+def test_a_damaged_stamp_reads_as_absent_and_the_stage_is_restored(runner_for):
+    make, project = runner_for
+    runner = make()
+    path = runner.stamp_path(Stage("edge", "decode"))
+    path.write_text(json.dumps({"key": "k", "inputs": {}}))  # no digest, no outputs: not a stamp
+    assert Stamp.load(path) is None
+    decision = runner.decide(Stage("edge", "decode"), find=runner.store.locate_record)
+    assert decision.old is None and decision.verdict == "restorable"
+    assert runner.execute(Stage("edge", "decode")) == "restored"
+    assert Stamp.load(path).key == decision.key
+
+
+def test_stamps_round_trip_through_the_one_reader_and_writer(tmp_path):
+    stamp = Stamp(key="k", inputs={"stage": "package"}, digest="d", outputs={"model.pte": "a" * 64},
+                  finals=["model.pte"], value=None, status="restored", seconds=0.0, run="r", saved_seconds=2.5)
+    stamp.save(tmp_path / "s.json")
+    assert Stamp.load(tmp_path / "s.json") == stamp and stamp.cost_seconds == 2.5
+    assert stamp.replace(saved_seconds=None, seconds=1.0).cost_seconds == 1.0
+    shutil.copy(tmp_path / "s.json", tmp_path / "t.json")
+    (tmp_path / "t.json").write_text((tmp_path / "t.json").read_text().replace('"finals"', '"finales"'))
+    assert Stamp.load(tmp_path / "t.json").finals == []  # an unknown field is ignored, a default used

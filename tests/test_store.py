@@ -1,0 +1,150 @@
+"""cudabuild.engine.store: a damaged blob is dropped and reported in one line; a damaged record (not
+JSON, no digest, an output outside build/) is warned about, dropped and read as a miss, whichever
+way it is read, and a build then runs its stage instead of failing; a blob from the remote tier
+passes through a scratch file that never stays behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from _faults import BUILD_ARGS, assert_same_outputs
+from conftest import REPO, assert_ok
+from test_remote import server  # noqa: F401  (a real redis-server on loopback, for the remote tier)
+from cudabuild.engine import remote
+from cudabuild.engine.remote import RedisTier
+from cudabuild.engine.store import Store
+from cudabuild.errors import CorruptBlob, MissingBlob
+
+
+@pytest.fixture(autouse=True)
+def local_only(monkeypatch):
+    """A developer's own CUDABUILD_REMOTE must not reach these stores; tests that want one set it."""
+    monkeypatch.delenv(remote.REMOTE_ENV, raising=False)
+
+
+def _flip_a_byte(store: Store, sha: str) -> None:
+    path = store.blob_path(sha)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_blob_is_dropped_and_reported_in_one_line(tmp_path):
+    store = Store(tmp_path / "cache")
+    try:
+        for copy_to in (None, tmp_path / "out" / "model.pte"):
+            sha = store.put_bytes(b"a blob that will not survive " + os.urandom(64))
+            _flip_a_byte(store, sha)
+            with pytest.raises(CorruptBlob) as raised:
+                store.read_bytes(sha) if copy_to is None else store.fetch(sha, copy_to)
+            for_name = "" if copy_to is None else " for model.pte"
+            assert str(raised.value) == f"cached blob {sha[:12]}{for_name} failed its sha256 check; dropped, it will be rebuilt"
+            assert not store.has_blob(sha)
+        assert list((tmp_path / "out").iterdir()) == [], "a corrupt copy is never put in place, nor its temporary file left"
+    finally:
+        store.close()
+
+
+# -- damaged records ---------------------------------------------------------------------------
+
+_READ = """
+import json, sys
+from cudabuild.engine.store import Store
+store = Store(sys.argv[1])
+key, how = sys.argv[2], sys.argv[3]
+read = {"find_record": lambda: store.find_record(key)[0], "peek_record": lambda: store.peek_record(key),
+        "records": lambda: dict(store.records()).get(key)}[how]
+print(json.dumps({"first": read(), "again": read(), "rows": sorted(e.key for e in store.entries("rec:"))}))
+"""
+
+
+def read_in_a_build(root, key: str, how: str) -> tuple[dict, list[str]]:
+    """Read `key` twice the way `how` does, in a process of its own; (what it saw, its warning lines)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDABUILD_")}
+    done = subprocess.run([sys.executable, "-c", _READ, str(root), key, how], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), [line for line in done.stderr.splitlines() if line.startswith("cudabuild: warning:")]
+
+
+@pytest.mark.parametrize("how", ["find_record", "peek_record", "records"])
+@pytest.mark.parametrize("damage", ["no-digest", "output-outside-build", "not-json"])
+def test_damaged_local_record_is_warned_about_once_dropped_and_a_miss(tmp_path, how, damage):
+    root = tmp_path / "cache"
+    store = Store(root)
+    try:
+        sha = store.put_bytes(b"program bytes")
+        good = {"stage": "export.decode", "digest": "d" * 64, "outputs": {"program.json": sha}, "finals": []}
+        store.put_record("intact", good)
+        key = "a1b2c3d4e5f6a7b8c9d0"
+        if damage == "no-digest":
+            store.put_record(key, {k: v for k, v in good.items() if k != "digest"})
+        elif damage == "output-outside-build":
+            store.put_record(key, dict(good, outputs={"../../escape": sha}))
+        else:
+            store.cache.set("rec:" + key, '{"stage": "export.decode", "outp')  # a torn or hand-edited row
+    finally:
+        store.close()
+
+    seen, warnings = read_in_a_build(root, key, how)
+    assert seen == {"first": None, "again": None, "rows": ["rec:intact"]}
+    what = "in {root} is not a JSON object" if damage == "not-json" else "of export.decode in {root} is malformed"
+    assert warnings == [f"cudabuild: warning: cached record {key[:12]} {what.format(root=root)}; dropped, its stage will run again"]
+
+    store = Store(root)
+    try:
+        record, source = store.find_record("intact")
+        assert source == "local" and {k: record[k] for k in good} == good
+        assert [k for k, _ in store.records()] == ["intact"]
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_build_runs_the_stage_whose_record_is_damaged_instead_of_failing(built_tiny, tiny_copy):
+    # package's record without its digest: restoring it once raised KeyError in Runner._restore.
+    key = tiny_copy.stamp("package")["key"]
+    store = Store(tiny_copy.cache)
+    try:
+        record = store.peek_record(key)
+        store.put_record(key, {k: v for k, v in record.items() if k != "digest"})
+    finally:
+        store.close()
+    shutil.rmtree(tiny_copy.root / "build")
+
+    result = tiny_copy.export(*BUILD_ARGS)
+    assert_ok(result)
+    statuses = tiny_copy.statuses()
+    assert statuses["package"] == "ran" and statuses["export.decode"] == "restored"
+    assert f"cudabuild: warning: cached record {key[:12]} of package in {tiny_copy.cache} is malformed" in result.stderr
+    assert_same_outputs(tiny_copy, built_tiny)
+
+
+# -- the remote tier ---------------------------------------------------------------------------
+
+
+def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server, tmp_path, monkeypatch):  # noqa: F811
+    data = os.urandom(3 << 20)
+    source = tmp_path / "blob"
+    source.write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    with open(source, "rb") as f:
+        assert RedisTier(server.url, chunk_bytes=1 << 20).put_blob(sha, f)
+    monkeypatch.setenv(remote.REMOTE_ENV, server.url)
+    store = Store(tmp_path / "cache")
+    try:
+        assert not store.has_blob(sha)
+        assert store.fetch(sha, tmp_path / "out.bin").read_bytes() == data
+        assert store.has_blob(sha)
+        with pytest.raises(MissingBlob):
+            store.fetch("0" * 64, tmp_path / "absent.bin")  # in neither tier
+        assert list((tmp_path / "cache" / "incoming").iterdir()) == []
+    finally:
+        store.close()
