@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import textwrap
 import time
 
+from conftest import REPO
 from cudabuild.engine import remote
+
+
+@contextlib.contextmanager
+def holder_process(code: str, first_line: str, env=None):
+    """A process running `code` (it takes lease "K", prints `first_line`, then sleeps), yielded once
+    it has printed that line; killed on the way out, whatever happened."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == first_line
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
 
 
 def assert_taken_over_when_the_holder_dies(tier, holder, *, wait: float, lapse_under: float, released=lambda: True):

@@ -16,16 +16,15 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from _leases import assert_taken_over_when_the_holder_dies
+from _leases import assert_taken_over_when_the_holder_dies, holder_process
 
-from conftest import REPO, Project, assert_ok, new_project
+from conftest import Project, assert_ok, new_project
 from cudabuild.engine import remote
 from cudabuild.engine.remote import RedisTier, push_store
 from cudabuild.engine.store import Store
@@ -215,23 +214,18 @@ def test_record_naming_paths_outside_build_is_ignored(server):
 
 
 def test_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies(server):
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    with holder_process(f"""
         import time
         from cudabuild.engine.remote import RedisTier
         lease = RedisTier("{server.url}", lease_seconds=1.0).try_lease("K")
         with lease:
             print("held", flush=True)
             time.sleep(600)
-    """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    """, "held") as holder:
         tier = make_tier(server, [], lease_seconds=1.0)
         time.sleep(2.5)  # more than twice the lease: only the heartbeat keeps it
         assert tier.try_lease("K") is None
         assert_taken_over_when_the_holder_dies(tier, holder, wait=10, lapse_under=2.5)
-    finally:
-        holder.kill()
-        holder.wait(timeout=10)
 
 
 def test_read_only_tier_never_writes(server):

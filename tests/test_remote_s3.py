@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from _leases import assert_taken_over_when_the_holder_dies
+from _leases import assert_taken_over_when_the_holder_dies, holder_process
 
 from _s3_server import BUCKET, free_port
 from conftest import REPO
@@ -167,25 +167,20 @@ def test_records_are_signed_and_checked_in_the_object_store(s3_env):
 
 def test_object_store_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies(s3_env):
     url = s3_env.url("lease")
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    with holder_process(f"""
         import time
         from cudabuild.engine import remote
         lease = remote.from_env({{"CUDABUILD_REMOTE": "{url}", "CUDABUILD_REMOTE_LEASE_SECONDS": "2"}}).try_lease("K")
         with lease:
             print(type(lease).__name__, flush=True)
             time.sleep(600)
-    """)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, **s3_env.env()})
-    try:
-        assert holder.stdout.readline().strip() == "Lease"
+    """, "Lease", env={**os.environ, **s3_env.env()}) as holder:
         tier = s3_tier(url, [], CUDABUILD_REMOTE_LEASE_SECONDS=2)
         time.sleep(5)  # more than twice the lease: only the heartbeat keeps it
         assert tier.try_lease("K") is None
         assert tier.conditional_writes is True and not any(".probe" in k for k in s3_env.keys(url))
         assert_taken_over_when_the_holder_dies(tier, holder, wait=20, lapse_under=6,
                                                released=lambda: "lease/K" not in s3_env.keys(url))
-    finally:
-        holder.kill()
-        holder.wait(timeout=10)
 
 
 def test_only_one_of_many_racing_builders_takes_a_lease(s3_env):

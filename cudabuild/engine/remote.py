@@ -297,12 +297,7 @@ class RedisTier(TierSettings, Degrading):
         try:
             return fn(self._redis())
         except redis.exceptions.ResponseError as e:  # e.g. OOM under maxmemory-policy noeviction
-            if write:
-                self._writes_off = True
-                self.warn_once("writes", f"remote cache {self.where} refused a write ({what}: {one_line(e)}); "
-                                          "this build writes nothing more to it")
-            else:
-                self.warn_once("reads", f"remote cache {self.where} refused a read ({what}: {one_line(e)})")
+            self.refused(what, e, write=write)
             return UNREACHABLE
         except (redis.exceptions.RedisError, OSError) as e:
             self._down = True

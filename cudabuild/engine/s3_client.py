@@ -58,6 +58,8 @@ def parse_url(url: str, where: str) -> tuple[str, str]:
 class Bucket(Degrading):
     """A bucket and a key prefix, reached through boto3, that degrades to "unreachable" on failure."""
 
+    noun = "remote store"
+
     def __init__(self, url: str, *, read_only: bool = False, warn: Callable[[str], None], environ=os.environ):
         self.bucket, self.prefix = parse_url(url, "S3 URL")
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
@@ -120,12 +122,7 @@ class Bucket(Degrading):
 
     def _failed(self, what: str, error, code: str, status: int, write: bool):
         if code in ("AccessDenied", "403") or status == 403:
-            if write:
-                self._writes_off = True
-                self.warn_once("writes", f"remote store {self.where} refused a write ({what}: {one_line(error)}); "
-                                         "this build writes nothing more to it")
-            else:
-                self.warn_once("reads", f"remote store {self.where} refused a read ({what}: {one_line(error)})")
+            self.refused(what, error, write=write)
             return UNREACHABLE
         self._go_down(what, error, hint="; create the bucket first" if code == "NoSuchBucket" else "")
         return UNREACHABLE

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
+from cudabuild.errors import one_line
+
 
 class _Unreachable:
     def __repr__(self):
@@ -22,6 +24,8 @@ UNREACHABLE = _Unreachable()
 
 
 class Degrading:
+    noun = "remote cache"  # how warnings name the server: "remote cache <where> ..."
+
     def __init__(self, warn: Callable[[str], None]):
         self.warn = warn
         self._state = threading.Lock()
@@ -35,6 +39,16 @@ class Degrading:
                 return
             self._warned.add(topic)
         self.warn(message)
+
+    def refused(self, what: str, error: BaseException, *, write: bool) -> None:
+        """The server answered no (a Redis out of memory, a 403): a refused write turns this
+        process's writes off; a refused read is only said."""
+        if write:
+            self._writes_off = True
+            self.warn_once("writes", f"{self.noun} {self.where} refused a write ({what}: {one_line(error)}); "
+                                     "this build writes nothing more to it")
+        else:
+            self.warn_once("reads", f"{self.noun} {self.where} refused a read ({what}: {one_line(error)})")
 
 
 class TierSettings:
