@@ -16,6 +16,7 @@ from __future__ import annotations
 from cudabuild.backend import toolchain
 from cudabuild.backend.tuning import pinned_digest
 from cudabuild.engine.graph import KeyContext, Pipeline, Stage, StageKind
+from cudabuild.models import safetensors_parts
 from cudabuild.specs import specs_for_stage
 
 STAGES = "cudabuild.backend.stages."
@@ -72,18 +73,19 @@ PIPELINE = Pipeline(
     [
         StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
                   predict_value=toolchain.predict_probe_value),
-        StageKind("export", version=2, per_method=True, module=STAGES + "export", consumes=("probe",),
+        StageKind("export", version=3, per_method=True, module=STAGES + "export", consumes=("probe",),
                   params=_export),
-        StageKind("edge", version=3, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
+        StageKind("edge", version=4, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
                   results={"graph": "export[m]"}, params=_edge, explains_graph=True),
         StageKind("compile", version=1, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
                   results={"graph": "edge[m]"}, params=_compile, explains_graph=True),
         StageKind("package", version=3, per_method=False, module=STAGES + "package",
                   consumes=("probe", "export[*]", "compile[*]"), results={"graph": "export[*]", "compiled": "compile[*]"},
                   params=_package, final_outputs=True),
-        StageKind("verify", version=1, per_method=True, module=STAGES + "verify",
-                  consumes=("probe", "export[m]", "compile[m]", "package"),
+        StageKind("verify", version=2, per_method=True, module=STAGES + "verify",
+                  consumes=("probe", "export[m]", "edge[m]", "compile[m]", "package"),
                   results={"graph": "export[m]", "compiled": "compile[m]"}, params=_verify),
     ],
     fingerprint=toolchain.cheap_fingerprint,
+    content_digests={".safetensors": safetensors_parts.tensor_digests},
 )

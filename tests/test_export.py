@@ -20,13 +20,13 @@ def stage_context(seed: int) -> SimpleNamespace:
 
 
 def test_methods_share_the_model_and_a_new_model_replaces_the_last():
-    _, first = build_model(stage_context(0))
+    _, first, _ = build_model(stage_context(0))
     assert build_model(stage_context(0))[1] is first  # the next method exports the same module
 
-    _, other = build_model(stage_context(1))
+    _, other, _ = build_model(stage_context(1))
     assert other is not first
 
-    _, again = build_model(stage_context(0))
+    _, again, _ = build_model(stage_context(0))
     assert again is not first  # dropped when seed=1 was built: rebuilt, with the same weights
     assert build_model(stage_context(0))[1] is again
     first_weights, again_weights = first.state_dict(), again.state_dict()

@@ -30,7 +30,7 @@ def test_the_plan_and_dependencies_follow_the_table():
     assert deps(Stage("probe")) == []
     assert deps(Stage("compile", "prefill")) == ["probe", "edge.prefill"]
     assert deps(Stage("package")) == ["probe", "export.decode", "export.prefill", "compile.decode", "compile.prefill"]
-    assert deps(Stage("verify", "decode")) == ["probe", "export.decode", "compile.decode", "package"]
+    assert deps(Stage("verify", "decode")) == ["probe", "export.decode", "edge.decode", "compile.decode", "package"]
     assert [PIPELINE.final_outputs(s) for s in (Stage("compile", "decode"), Stage("package"))] == [False, True]
 
 

@@ -5,12 +5,14 @@ fault locator must tell a weights blob that loads wrong values from compiled cod
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from _faults import MODEL, TARGET, build_dir, one_error_line, stamp
 from conftest import assert_ok
 
 from cudabuild.backend.programs import load_program
-from cudabuild.backend.stages.verify import constants_unlike_program
+from cudabuild.backend import aoti_constants
+from cudabuild.backend.stages.verify import compute_dtype, constants_unlike_program, promote_libtorch
 from cudabuild.engine.store import Store
 
 
@@ -54,6 +56,43 @@ def test_a_weights_blob_with_one_wrong_value_is_named_by_its_constant(built_tiny
     damaged = tmp_path / "damaged.blob"
     damaged.write_bytes(data)
     assert constants_unlike_program(so, str(damaged), edge, "cpu")[1] == ["lm_head.weight"]
+
+
+def test_the_blob_check_that_lets_verify_map_the_weights_holds_for_a_sound_blob_only(built_tiny, tmp_path):
+    """verify runs the .so on the edge program's mapped weights (no second copy) only after
+    check_blob has found the weights blob to hold exactly their bytes at the .so's offsets."""
+    edge, so, blob = edge_program_and_compile(built_tiny, tmp_path)
+    promote_libtorch("cpu")
+    table = aoti_constants.constants_table(so)
+    assert len(table) == 25 and not any(c.folded for c in table)
+    tensors = dict(edge.state_dict, **{k: v for k, v in edge.constants.items() if hasattr(v, "untyped_storage")})
+    assert aoti_constants.check_blob(Path(blob), table, tensors) is None
+    data = bytearray(open(blob, "rb").read())
+    at = bytes(data).find(edge.state_dict["lm_head.weight"].detach().contiguous().numpy().tobytes())
+    data[at + 401] ^= 0x40
+    damaged = tmp_path / "damaged.blob"
+    damaged.write_bytes(data)
+    assert aoti_constants.check_blob(damaged, table, tensors) == "the weights blob's bytes for lm_head.weight differ from the program's"
+    damaged.write_bytes(data[:-64])
+    assert "the weights blob is" in aoti_constants.check_blob(damaged, table, tensors)
+    assert "has no tensor in the program" in aoti_constants.check_blob(Path(blob), table, {})
+
+
+def test_a_bf16_models_float32_logits_are_held_to_bf16s_tolerance():
+    import torch
+
+    class Bf16(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.lin(x).float()
+
+    ep = torch.export.export(Bf16(), (torch.ones(1, 4, dtype=torch.bfloat16),))
+    assert compute_dtype(ep, [torch.zeros(1, 4)]) == torch.bfloat16
+    fp32 = torch.export.export(torch.nn.Linear(4, 4), (torch.ones(1, 4),))
+    assert compute_dtype(fp32, [torch.zeros(1, 4)]) == torch.float32
 
 
 def test_a_mismatch_fails_the_build_with_its_location_and_caches_nothing(tiny_copy):

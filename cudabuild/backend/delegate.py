@@ -37,6 +37,7 @@ METHOD_NAME_KEY = "method_name"
 class Compiled:
     so: bytes
     weights: bytes
+    weights_sha: Optional[str] = None  # sha256 of `weights`, when the caller knows it (saves a pass over GBs)
 
 
 _capture: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("cudabuild_capture", default=None)
@@ -71,7 +72,7 @@ def _emit_result(compiled: Compiled, device: str) -> PreprocessResult:
     from executorch.exir._serialize._named_data_store import NamedDataStore
 
     so_key = hashlib.sha256(compiled.so).hexdigest() + "_so_blob"
-    weights_key = hashlib.sha256(compiled.weights).hexdigest() + "_weights_blob"
+    weights_key = (compiled.weights_sha or hashlib.sha256(compiled.weights).hexdigest()) + "_weights_blob"
     store = NamedDataStore()
     store.add_named_data(so_key, compiled.so, 1, None)
     store.add_named_data(weights_key, compiled.weights, 1, f"aoti_{device}_blob")
@@ -80,6 +81,21 @@ def _emit_result(compiled: Compiled, device: str) -> PreprocessResult:
         debug_handle_map={},
         data_store_output=store.get_named_data_store_output(),
     )
+
+
+def forget_lowered_graphs() -> None:
+    """Drop what ExecuTorch's lowering keeps after it returns.
+
+    `executorch.exir.backend.utils.is_same_node` is memoised without bound (lru_cache(maxsize=None))
+    on the fx nodes it compares, so every graph a lowering saw stays alive, and with it the
+    delegated programs and their weights: for a real checkpoint, gigabytes per stage, added up
+    over a build. Called when each lowering block below ends.
+    """
+    from executorch.exir.backend import utils
+
+    cached = getattr(utils, "is_same_node", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
 
 
 @contextlib.contextmanager
@@ -91,6 +107,7 @@ def capture():
         yield captured
     finally:
         _capture.reset(token)
+        forget_lowered_graphs()
 
 
 @contextlib.contextmanager
@@ -100,6 +117,7 @@ def emit(lookup: Callable[[str], Compiled], device: str):
         yield
     finally:
         _emit.reset(token)
+        forget_lowered_graphs()
 
 
 def partitioner(method: str, specs: dict[str, str], target: str):

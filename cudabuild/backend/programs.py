@@ -15,48 +15,164 @@ exports of the same model give the same digest whatever file or line the code ca
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
+
+from cudabuild.engine.hashing import sha256_file
 
 TENSOR_PREFIX = "tensor."
 
 
-def save_program(ep, folder: Path) -> dict[str, Path]:
+@dataclass
+class StoredWeights:
+    """Weights already in the store, by the storage that holds them in this process.
+
+    A program loaded from the store maps its weights from the stored files (`load_program`), and a
+    stage that hands such a tensor on unchanged (edge passes do not touch weights) need not write
+    or hash its gigabytes again: `save_program` names the stored file instead. An entry holds the
+    tensor itself, so its memory cannot be freed and reused by another tensor while the entry lives.
+    """
+
+    entries: dict = field(default_factory=dict)  # storage data_ptr -> (tensor, sha256 of its file)
+
+    def add(self, tensor: torch.Tensor, sha: str) -> None:
+        if tensor.numel():
+            self.entries[tensor.untyped_storage().data_ptr()] = (tensor, sha)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t, _ in self.entries.values()]
+
+    def sha_of(self, tensor: torch.Tensor) -> Optional[str]:
+        """The stored file of exactly this tensor (same storage, view, dtype and type), or None."""
+        if not tensor.numel():
+            return None
+        entry = self.entries.get(tensor.untyped_storage().data_ptr())
+        if entry is None:
+            return None
+        held, sha = entry
+        same = (type(held) is type(tensor) and held.dtype == tensor.dtype and held.shape == tensor.shape
+                and held.stride() == tensor.stride() and held.storage_offset() == tensor.storage_offset()
+                and held.untyped_storage().nbytes() == tensor.untyped_storage().nbytes())
+        return sha if same else None
+
+    @contextlib.contextmanager
+    def shared_when_copied(self) -> Iterator[None]:
+        """Within the block, `copy.deepcopy` of a tensor held here gives the tensor itself.
+
+        ExecuTorch's edge lowering deep-copies the whole program before its passes, weights
+        included: for a real checkpoint that is a second copy of every weight in memory. The
+        weights held here are mapped read-only from the store and never written (a stage that
+        changes a weight makes a new tensor), so a copy that shares them is the same value.
+        """
+        held = {id(t) for t, _ in self.entries.values()}
+        classes = (torch.Tensor, torch.nn.Parameter)
+        saved = {cls: cls.__dict__["__deepcopy__"] for cls in classes}
+
+        def sharing(original):
+            def __deepcopy__(tensor, memo):
+                if id(tensor) in held:
+                    memo[id(tensor)] = tensor
+                    return tensor
+                return original(tensor, memo)
+
+            return __deepcopy__
+
+        for cls in classes:
+            cls.__deepcopy__ = sharing(saved[cls])
+        try:
+            yield
+        finally:
+            for cls in classes:
+                cls.__deepcopy__ = saved[cls]
+
+
+@dataclass
+class SavedProgram:
+    """What save_program wrote: `files` (name -> path, new now), `shas` (name -> sha256 of every
+    part, written or reused), `reused` (name -> sha256 of parts already stored, not written) and
+    `index` (weight fqn -> its part's name)."""
+
+    files: dict[str, Path]
+    shas: dict[str, str]
+    reused: dict[str, str]
+    index: dict[str, str]
+
+    @property
+    def weights(self) -> dict[str, str]:
+        """fqn -> the sha256 of its tensor file: what graph_summary keys the weights on."""
+        return {fqn: self.shas[name] for fqn, name in self.index.items()}
+
+
+def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> SavedProgram:
+    """Write the program's parts into `folder`, one weight at a time, straight to its file (a
+    program of tens of GB is never held twice); a weight `reuse` knows is named, not written."""
     from executorch.exir.serde.serialize import serialize
 
-    artifact = serialize(ep)
-    parts = {"program.json": artifact.exported_program, "constants.pt": artifact.constants,
-             "inputs.pt": artifact.example_inputs}
-    index = {}
-    for fqn, tensor in ep.state_dict.items():
-        buffer = io.BytesIO()
-        torch.save(tensor, buffer)
-        index[fqn] = TENSOR_PREFIX + fqn
-        parts[index[fqn]] = buffer.getvalue()
-    parts["weights.json"] = json.dumps(index, sort_keys=True).encode()
     folder.mkdir(parents=True, exist_ok=True)
-    files = {}
+    files, shas, reused, index = {}, {}, {}, {}
+    for fqn, tensor in ep.state_dict.items():
+        name = index[fqn] = TENSOR_PREFIX + fqn
+        known = reuse.sha_of(tensor) if reuse is not None else None
+        if known is not None:
+            shas[name] = reused[name] = known
+            continue
+        files[name] = folder / name
+        torch.save(tensor, files[name])
+        shas[name] = sha256_file(files[name])
+        if reuse is not None:
+            reuse.add(tensor, shas[name])
+    # serialize() would copy every weight into its own bytes; it only needs the graph, so it gets a
+    # program whose state dict is empty (the weights are written above).
+    artifact = serialize(_without_state(ep))
+    parts = {"program.json": artifact.exported_program, "constants.pt": artifact.constants,
+             "inputs.pt": artifact.example_inputs, "weights.json": json.dumps(index, sort_keys=True).encode()}
     for name, data in parts.items():
         files[name] = folder / name
         files[name].write_bytes(data)
-    return files
+        shas[name] = hashlib.sha256(data).hexdigest()
+    return SavedProgram(files, shas, reused, index)
 
 
-def load_program(read: Callable[[str], bytes]):
-    """Rebuild an ExportedProgram; `read(name)` returns the bytes of one stored file."""
+def _without_state(ep):
+    """A shallow copy of `ep` whose state dict is empty (the graph and signature are shared)."""
+    import copy
+
+    bare = copy.copy(ep)
+    bare._state_dict = {}
+    return bare
+
+
+def load_program(read: Callable[[str], Union[bytes, Path]], reuse: Optional[StoredWeights] = None):
+    """Rebuild an ExportedProgram; `read(name)` gives one stored part: its bytes, or the path of a
+    verified file, whose weights are then memory-mapped rather than read (and recorded in `reuse`
+    with the file's sha256, which `read` names as `read.sha(name)` when it can)."""
     from executorch.exir.serde.export_serialize import SerializedArtifact
     from executorch.exir.serde.serialize import deserialize
 
-    index = json.loads(read("weights.json"))
-    # The deserializer takes the state dict as tensors too: no second serialized copy in memory.
-    state = {fqn: torch.load(io.BytesIO(read(name)), weights_only=True) for fqn, name in index.items()}
-    return deserialize(SerializedArtifact(read("program.json"), state, read("constants.pt"), read("inputs.pt")))
+    def data(name: str) -> bytes:
+        part = read(name)
+        return part if isinstance(part, bytes) else Path(part).read_bytes()
+
+    index = json.loads(data("weights.json"))
+    state = {}
+    for fqn, name in index.items():
+        part = read(name)
+        if isinstance(part, bytes):
+            state[fqn] = torch.load(io.BytesIO(part), weights_only=True)
+            continue
+        state[fqn] = torch.load(part, weights_only=True, mmap=True)
+        sha = getattr(read, "sha", None)
+        if reuse is not None and sha is not None:
+            reuse.add(state[fqn], sha(name))
+    return deserialize(SerializedArtifact(data("program.json"), state, data("constants.pt"), data("inputs.pt")))
 
 
 def load_example_inputs(data: bytes) -> tuple:
@@ -142,14 +258,16 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def graph_summary(ep) -> dict:
+def graph_summary(ep, weights: Optional[dict[str, str]] = None) -> dict:
+    """The canonical summary graph_digest hashes. `weights` (fqn -> sha256 of the stored tensor
+    file, from save_program) keys the weights without reading them again; else they are hashed."""
     sig = ep.graph_signature
     return {
         "nodes": node_lines(ep.graph_module),
         "inputs": [[str(s.kind), s.target] for s in sig.input_specs],
         "outputs": [[str(s.kind), s.target] for s in sig.output_specs],
         "ranges": sorted(f"{k}:{v}" for k, v in ep.range_constraints.items()),
-        "state": {k: tensor_digest(v) for k, v in sorted(ep.state_dict.items())},
+        "state": {k: (weights[k] if weights is not None else tensor_digest(v)) for k, v in sorted(ep.state_dict.items())},
         "constants": {k: tensor_digest(v) for k, v in sorted(ep.constants.items()) if isinstance(v, torch.Tensor)},
     }
 

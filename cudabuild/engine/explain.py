@@ -92,7 +92,9 @@ def describe(c: Change, inputs: dict, pipeline: Optional[Pipeline] = None) -> st
     if root == "sources":
         return f"source {'/'.join(p[1:])} {_verb(c)}" if len(p) > 1 else "sources changed"
     if root == "checkpoint":
-        return f"checkpoint file {'/'.join(p[1:])} {_verb(c)}" if len(p) > 1 else f"checkpoint {_was(c)}"
+        if len(p) > 2:  # a part of a file: a tensor of a .safetensors shard
+            return f"checkpoint tensor {'/'.join(p[2:])} ({p[1]}) {_verb(c)}"
+        return f"checkpoint file {p[1]} {_verb(c)}" if len(p) > 1 else f"checkpoint {_was(c)}"
     if root == "options":
         return f"option {'.'.join(p[1:])}: {_was(c)}"
     if root == "specs" and len(p) == 2:

@@ -5,12 +5,23 @@ The file gets the mode a plain `open(path, "w")` would give it (0666 less the um
 0644), not mkstemp's private 0600: build outputs and manifests are read by other people and tools.
 
 Also here: `temporary_file`, a scratch file that is always deleted, for bytes on their way
-somewhere else (a blob downloaded from the remote tier, checked, then stored).
+somewhere else (a blob downloaded from the remote tier, checked, then stored); and `clone_file`,
+the cheapest copy that shares no writable storage with its source.
+
+Why outputs in build/ are never hard links into the store, though that would be cheaper still: a
+link shares the inode, so a user who truncates or edits build/.../model.ptd in place would change
+the cached blob too; a read-only mode does not prevent that for root, nor for tools that chmod
+before writing. A reflink (FICLONE) shares the extents copy-on-write: a write to either file
+leaves the other as it was, so it is as safe as a copy, and free where the filesystem has it (XFS,
+Btrfs, bcachefs, ZFS 2.2+). Elsewhere (ext4, tmpfs) the kernel copies (copy_file_range), without
+the bytes passing through this process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import shutil
 import tempfile
@@ -52,9 +63,40 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def atomic_copy(src: Path, dest: Path) -> None:
+def atomic_copy(src: Path, dest: Path) -> str:
+    """Copy src over dest atomically, by `clone_file`; returns how ("reflink" or "copy")."""
     with _replacing(dest) as tmp:
-        shutil.copyfile(src, tmp)  # sendfile where it can: build outputs run to gigabytes
+        return clone_file(src, Path(tmp))
+
+
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+# Errors that mean "this filesystem (or pair of them) cannot share extents": copy instead.
+_NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
+
+
+def clone_file(src: Path, dest: Path) -> str:
+    """Make dest (created or truncated) a copy of src: a reflink where the filesystem shares
+    extents copy-on-write, else an in-kernel copy. Returns "reflink" or "copy"."""
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+            return "reflink"
+        except OSError as e:
+            if e.errno not in _NO_REFLINK:
+                raise
+        size = os.fstat(fin.fileno()).st_size
+        copied = 0
+        try:
+            while copied < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - copied)
+                if n == 0:
+                    break
+                copied += n
+        except OSError as e:
+            if e.errno not in _NO_REFLINK or copied:
+                raise
+            shutil.copyfileobj(fin, fout, 1 << 20)  # a kernel without copy_file_range for this pair
+        return "copy"
 
 
 @contextlib.contextmanager

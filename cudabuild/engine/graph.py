@@ -119,9 +119,14 @@ def _deep_merge(base: dict, extra: Mapping) -> dict:
 class Pipeline:
     """The ordered table of stage kinds, and everything the engine asks of the graph."""
 
-    def __init__(self, rows: list[StageKind], fingerprint: Callable[[str], dict]):
+    def __init__(self, rows: list[StageKind], fingerprint: Callable[[str], dict],
+                 content_digests: Optional[Mapping[str, Callable[[str], dict]]] = None):
         self.rows = {row.kind: row for row in rows}
         self.cheap_fingerprint = fingerprint  # target -> cheap toolchain fingerprint (no torch)
+        # File suffix -> digests of the parts of such a file ({name: sha256}, e.g. one per tensor of
+        # a .safetensors shard): how a checkpoint file enters the key, so that a change is told
+        # part by part. Other files enter by their sha256.
+        self.content_digests = dict(content_digests or {})
         order = list(self.rows)
         for row in rows:
             for name in row.consumes:

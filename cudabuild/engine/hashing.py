@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sqlite3
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -57,28 +58,63 @@ class FileHasher:
         self._memo = memo if memo is not None else {}
 
     def __call__(self, path: os.PathLike | str) -> Optional[str]:
+        return self._memoised(path, "", sha256_file)
+
+    def remember(self, path: os.PathLike | str, sha: str) -> None:
+        """Record the sha256 of a file this process has just written from known content (an output
+        copied into build/), so the next check does not read gigabytes to learn it."""
+        path = os.path.abspath(path)
+        sig = stat_signature(path)
+        if sig is not None:
+            self._remember(_memo_key("", path), (sig, sha))
+
+    def derived(self, path: os.PathLike | str, tag: str, compute: Callable[[str], Any]) -> Any:
+        """`compute(path)`, a value read off the file's content (`tag` names which), memoised like
+        the file's hash: under its stat signature, so it is computed once per change of the file."""
+        return self._memoised(path, tag, compute)
+
+    def _memoised(self, path: os.PathLike | str, tag: str, compute: Callable[[str], Any]) -> Any:
         path = os.path.abspath(path)
         sig = stat_signature(path)
         if sig is None:
             return None
-        key = "stat:" + path
+        key = _memo_key(tag, path)
         hit = self._memo.get(key)
         if hit and hit[0] == sig:
             return hit[1]
-        value = sha256_file(path)
-        self._memo[key] = (sig, value)
+        value = compute(path)
+        self._remember(key, (sig, value))
         return value
 
-    def tree(self, root: os.PathLike | str, accept: Callable[[Path], bool] = lambda p: True) -> dict:
-        """{relative path: sha256} for every regular file under root (sorted, hidden files skipped)."""
+    def _remember(self, key: str, entry) -> None:
+        # The memo is an optimisation: one that cannot be written (a full disk, a read-only cache)
+        # costs a second read later, never the build. The store reports its own write failures.
+        try:
+            self._memo[key] = entry
+        except (OSError, sqlite3.Error):
+            pass
+
+    def tree(self, root: os.PathLike | str, accept: Callable[[Path], bool] = lambda p: True,
+             parts: Optional[dict[str, Callable[[str], dict]]] = None) -> dict:
+        """{relative path: sha256} for every regular file under root (sorted, hidden files skipped).
+
+        A file whose suffix `parts` names is given by that function's digests of its parts
+        ({part: sha256}) instead, so that a change can be told part by part.
+        """
         root = Path(root)
+        parts = parts or {}
         out = {}
         for path in sorted(root.rglob("*")):
             rel = path.relative_to(root)
             if any(part.startswith(".") for part in rel.parts) or not path.is_file() or not accept(path):
                 continue
-            out[str(rel)] = self(path)
+            split = parts.get(path.suffix)
+            out[str(rel)] = self.derived(path, "parts" + path.suffix, split) if split else self(path)
         return out
+
+
+def _memo_key(tag: str, path: str) -> str:
+    return f"stat:{tag}:{path}" if tag else "stat:" + path  # a file's own hash: "stat:<path>"
 
 
 def combine(parts: Iterable[str]) -> str:

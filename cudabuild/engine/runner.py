@@ -5,8 +5,10 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
 1. `cached`: its stamp in build/<model>/<target>/.stamps/ holds K, and its final outputs in build/
    still have the recorded hashes (checked by stat through the hash memo). Nothing is done.
 2. `restored`: the store has a record for K whose blobs are all present: the stamp is rewritten
-   from the record and final outputs copied back (each blob re-hashed on the way). Intermediate
-   artifacts stay in the store until a stage that runs needs them.
+   from the record and final outputs put back in build/ (each blob checked against its hash, once
+   per change of its file; reflinked where the filesystem can, else copied by the kernel: never
+   linked, so editing build/ cannot touch the cache). Intermediate artifacts stay in the store
+   until a stage that runs needs them; big ones are then mapped from it, not read (blob_path).
 3. `ran`: the stage function runs in a fresh work directory; its outputs go into the store, then
    the record, then the stamp. An output that was needed but turns out corrupt or missing makes
    its producer run again, never served.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import gc
 import importlib
 import itertools
 import json
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import cache_admin, console, trace
+from cudabuild.engine import cache_admin, console, memory, trace
 from cudabuild.config import BuildConfig
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
@@ -70,11 +74,19 @@ class Decision:
 
 @dataclass
 class StageResult:
-    """What a stage function returns: files it wrote (name -> path), its semantic digest and value."""
+    """What a stage function returns: files it wrote (name -> path), its semantic digest and value.
+
+    `known` gives the sha256 of files the stage hashed already (so they are not read again);
+    `stored` names outputs that are blobs already in the store (name -> sha256), handed on from
+    upstream unchanged and so neither written nor hashed: a stage need not copy gigabytes of
+    weights it did not change.
+    """
 
     files: dict[str, Path]
     digest: Optional[str] = None
     value: Optional[dict] = None
+    known: dict[str, str] = field(default_factory=dict)
+    stored: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +109,17 @@ class StageContext:
     def blob(self, kind: str, method: Optional[str], name: str) -> bytes:
         """An upstream output's bytes, verified; rebuilds the producer if the blob is bad."""
         return self.runner.read_output(Stage(kind, method), name)
+
+    def blob_path(self, kind: str, method: Optional[str], name: str) -> Path:
+        """The store's own file of an upstream output, verified: to read or memory-map, never to
+        write. For outputs of gigabytes, which `blob` would copy into memory."""
+        return self.runner.output_path(Stage(kind, method), name)
+
+    def reader(self, kind: str, method: Optional[str]) -> Callable[[str], Path]:
+        """`blob_path` of one upstream stage's outputs by name, with `.sha(name)` their sha256."""
+        read = functools.partial(self.blob_path, kind, method)
+        read.sha = lambda name: self.upstream(kind, method).outputs[name]
+        return read
 
     def fetch(self, kind: str, method: Optional[str], name: str, dest: Path) -> Path:
         return self.runner.fetch_output(Stage(kind, method), name, dest)
@@ -148,7 +171,7 @@ class Runner:
 
     def checkpoint_digest(self) -> Optional[dict]:
         folder = self.config.checkpoint
-        return self.store.hasher.tree(folder) if folder else None
+        return self.store.hasher.tree(folder, parts=self.pipeline.content_digests) if folder else None
 
     def inputs(self, stage: Stage, read: Optional[ResultReader] = None) -> dict:
         return self.pipeline.inputs(stage, self.config, read or self.read_result, self.fingerprint,
@@ -300,7 +323,8 @@ class Runner:
             source = "remote"
         try:
             for name in finals:
-                self.store.fetch(record["outputs"][name], self.config.build_dir / name)
+                self.store.materialise(record["outputs"][name], self.config.build_dir / name)
+                self.store.hasher.remember(self.config.build_dir / name, record["outputs"][name])
         except (CorruptBlob, MissingBlob) as e:
             console.warn(str(e))
             self.store.drop_record(key)
@@ -318,10 +342,15 @@ class Runner:
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
             ctx = StageContext(self.config, stage, inputs, key, Path(tmp), self, self.log)
-            with trace.phase("run"), self._output_of(stage):
+            with trace.phase("run"), self._output_of(stage), memory.PeakSampler() as sampled:
                 result: StageResult = module.run(ctx)
+                # Stage code leaves object graphs with reference cycles behind (fx graphs, ExecuTorch
+                # programs), and with them mapped weights or buffers of gigabytes: collect them now,
+                # so that one stage's memory is not added to the next one's.
+                gc.collect()
             with trace.phase("store writes"):
-                outputs = {name: self.store.put_file(path) for name, path in sorted(result.files.items())}
+                outputs = {name: self.store.put_file(path, result.known.get(name)) for name, path in sorted(result.files.items())}
+                outputs.update(self._stored(stage, result.stored))
             seconds = round(time.monotonic() - start, 3)
             stage_digest = result.digest or digest(outputs)
             finals = sorted(result.files) if self.pipeline.final_outputs(stage) else []
@@ -329,15 +358,22 @@ class Runner:
                       "value": result.value, "seconds": seconds}
             for name in finals:
                 atomic_copy(result.files[name], self.config.build_dir / name)
+                self.store.hasher.remember(self.config.build_dir / name, outputs[name])
         self.store.put_record(key, record)
         self._write_stamp(stage, Stamp(
             key=key, inputs=inputs, digest=stage_digest, outputs=outputs, finals=finals, value=result.value,
-            status="ran", seconds=seconds, run=self.run_id, reason=why,
+            status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=sampled.peak,
         ))
         if self.store.remote is not None:
             with trace.phase("upload"):
                 self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
         cache_admin.enforce_limit(self.store, self.config.project)
+
+    def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
+        missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
+        if missing:
+            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in the cache")
+        return dict(stored)
 
     @contextlib.contextmanager
     def _key_lock(self, key: str):
@@ -387,6 +423,9 @@ class Runner:
     def fetch_output(self, stage: Stage, name: str, dest: Path) -> Path:
         return self._serve(stage, name, lambda sha: self.store.fetch(sha, dest))
 
+    def output_path(self, stage: Stage, name: str) -> Path:
+        return self._serve(stage, name, self.store.verified_path)
+
     # -- manifest ------------------------------------------------------------------------------
 
     def manifest(self) -> dict:
@@ -406,6 +445,8 @@ class Runner:
                      "status": status, "seconds": stamp.seconds if this_run else 0.0}
             if this_run and stamp.reason:
                 entry["reason"] = stamp.reason
+            if this_run and stamp.peak_rss:
+                entry["peak_rss"] = stamp.peak_rss  # bytes resident at the stage's peak (sampled)
             if status in ("restored", "remote", "cached"):
                 entry["saved_seconds"] = stamp.cost_seconds if stamp else 0.0
             stages.append(entry)

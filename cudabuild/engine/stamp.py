@@ -34,6 +34,7 @@ class Stamp:
     run: Optional[str] = None  # the id of the build process that wrote it
     reason: Optional[str] = None  # why it ran (None for a restore)
     saved_seconds: Optional[float] = None  # a restore: what the run it replaced took
+    peak_rss: Optional[int] = None  # a run: the process's resident bytes at the stage's peak (sampled)
 
     @property
     def result(self) -> Result:

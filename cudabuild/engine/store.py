@@ -8,7 +8,9 @@ Layout inside one diskcache.Cache at `$CUDABUILD_CACHE_DIR` (default `~/.cache/c
 - `stat:<path>`    -> the file-hash memo (see hashing.FileHasher).
 
 Every blob is re-hashed on its way out; one that does not match is deleted and reported as
-`CorruptBlob`, so callers rebuild it instead of serving it. A record is only trusted when it is
+`CorruptBlob`, so callers rebuild it instead of serving it. Blobs of gigabytes are also handed out
+as the store's own file (`verified_path`, to map or clone, never to write), checked once per change
+of that file's stat signature rather than on every read. A record is only trusted when it is
 well formed (cudabuild.engine.records, the check the remote tier applies too) and all the blobs it
 names are present; a damaged one is warned about, dropped, and read as a miss, so its stage runs
 again. This module imports neither torch nor executorch, nor anything that builds on Store
@@ -38,7 +40,7 @@ import diskcache
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
 from cudabuild.engine import console, diskcache_rows
 from cudabuild.engine.diskcache_rows import Entry
-from cudabuild.engine.files import atomic_write, temporary_file
+from cudabuild.engine.files import atomic_copy, atomic_write, temporary_file
 from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
 from cudabuild.engine.records import well_formed
 
@@ -112,6 +114,8 @@ class Store:
         if not self.has_blob(sha):
             with open(path, "rb") as f:
                 self._set("blob:" + sha, f, Path(path).name, read=True)
+            # Its bytes were just hashed on their way in: verified_path need not read them again.
+            self.hasher.remember(self.blob_path(sha), sha)
         return sha
 
     def put_bytes(self, data: bytes) -> str:
@@ -164,6 +168,23 @@ class Store:
 
         atomic_write(dest, write)  # a corrupt copy never replaces what dest held
         return dest
+
+    def verified_path(self, sha: str) -> Path:
+        """The blob's own file in the store, its bytes checked against `sha`: to read or map, never
+        to write. The check is remembered under the file's stat signature (the hash memo), so a
+        blob of gigabytes is re-hashed once per change of its file, not on every read."""
+        self._ensure_local(sha)
+        path = self.blob_path(sha)  # MissingBlob when it is gone
+        if self.hasher(path) != sha:
+            self.drop_blob(sha)
+            raise CorruptBlob(sha, path.name)
+        return path
+
+    def materialise(self, sha: str, dest: os.PathLike | str) -> str:
+        """Put a blob's bytes at `dest` atomically (checked as verified_path checks them), by the
+        cheapest copy that shares no writable storage with the store (files.clone_file). Returns
+        how: "reflink" or "copy"."""
+        return atomic_copy(self.verified_path(sha), Path(dest))
 
     def read_bytes(self, sha: str) -> bytes:
         self._ensure_local(sha)

@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write
+from cudabuild.models.safetensors_parts import HeaderError, read_raw_header
 
 PathLike = Union[str, os.PathLike]
 
@@ -81,23 +82,12 @@ def read_header(path: PathLike) -> Header:
     dtypes' sizes (what the writer wrote; reading tensors is the library's, via `open_file`)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file: {size} bytes, no header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise CheckpointError(f"{path}: truncated safetensors file: header of {n} bytes, file of {size}")
-            raw = f.read(n)
+        entries, data_start, size = read_raw_header(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file (listed by the checkpoint)") from None
-    try:
-        entries = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    except HeaderError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     metadata = entries.pop("__metadata__", None) or {}
-    data_start = 8 + n
     end = 0
     for name, e in entries.items():
         dtype = _DTYPES.get(e.get("dtype"))

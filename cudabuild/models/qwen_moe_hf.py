@@ -273,6 +273,7 @@ def hf_config(args: ModelArgs, dtype: Optional[torch.dtype] = None) -> dict:
         "num_experts_per_tok": args.top_k,
         "moe_intermediate_size": args.expert_dim,
         "shared_expert_intermediate_size": args.shared_dim,
+        "full_attention_interval": args.full_attn_every,
         "layer_types": ["full_attention" if args.is_full_attention(i) else "linear_attention" for i in range(args.n_layers)],
         "rms_norm_eps": args.norm_eps,
         "tie_word_embeddings": args.tie_embeddings,

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from cudabuild.backend import inductor_phases
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
@@ -32,7 +32,9 @@ from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
 from cudabuild.engine.hashing import digest, sha256_file
-from cudabuild.backend.programs import load_program
+from cudabuild.backend import mapped_weights
+from cudabuild.backend.programs import StoredWeights, load_program
+from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.remote import inductor_environment
 from cudabuild.engine.runner import StageResult
 from cudabuild.backend.toolchain import inductor_root
@@ -71,7 +73,8 @@ def _inductor_dir_lock(cache_dir: Path):
 
 
 @contextlib.contextmanager
-def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool) -> Iterator[tuple[Any, set]]:
+def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool,
+                  mapped: Iterable = ()) -> Iterator[tuple[Any, set]]:
     """Every process-wide change one compile makes, in one list: entered in this order, undone in
     reverse, also on error. Yields the program on the compile's device and the set that collects
     the fallback kernels the compile emits.
@@ -88,7 +91,9 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
     4. The fallback-kernel collector, no_grad and the SDPA math kernel: the state aot_compile
        traces and lowers the program under.
     5. With low_memory, lowmem's CPU-clone patches (after the move: see 3).
-    6. The timeline spans, innermost, around inductor's own work only.
+    6. The timeline spans, innermost, around inductor's own work only; beside them, the release
+       of the `mapped` weights' pages as inductor copies them into the weights blob
+       (cudabuild.backend.mapped_weights), which concerns that copy alone.
     Each patch saves the attribute it replaces and puts it back on exit; undoing them in reverse
     (ExitStack's order) is what keeps that right wherever two of them patch the same object.
     """
@@ -111,6 +116,7 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
         if low_memory:
             scope.enter_context(lowmem.compile_time_cpu_clones(torch.device(_device_of(target))))
         scope.enter_context(inductor_phases.traced())
+        scope.enter_context(mapped_weights.released_after_copy(mapped))
         yield ep, fallbacks
 
 
@@ -152,8 +158,10 @@ def _compile(ctx) -> StageResult:
     toolchain = ctx.upstream("probe").value
     low_memory = specs.get("low_memory_mode") == "ON"
     device = _device_of(target)
+    release_model()
+    mapped = StoredWeights()
     with phase("load"):
-        ep = load_program(lambda name: ctx.blob("edge", method, name))
+        ep = load_program(ctx.reader("edge", method), mapped)  # weights mapped from the store, not read
     cache_dir = inductor_dir_for(ctx.key)
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
@@ -166,7 +174,8 @@ def _compile(ctx) -> StageResult:
         torch.cuda.reset_peak_memory_stats(0)
     environment = compile_environment(target, toolchain, cache_dir)
     options = with_custom_shims(aoti_options(specs, target, toolchain))
-    with compile_scope(ep, target=target, environment=environment, low_memory=low_memory) as (ep, fallbacks):
+    with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
+                       mapped=mapped.tensors()) as (ep, fallbacks):
         try:
             paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
         except Exception as e:
@@ -191,11 +200,11 @@ def _compile(ctx) -> StageResult:
     report = {"fallback_kernels": used, "options": {k: v for k, v in options.items() if isinstance(v, (bool, str, int))}}
     files["compile.json"] = _write_json(ctx.workdir / "compile.json", report)
     # Downstream depends on the compiled bytes only, not on the tuning timings beside them.
-    compiled = digest({name: sha256_file(files[name]) for name in ("model.so", "weights.blob")})
+    shas = {name: sha256_file(files[name]) for name in ("model.so", "weights.blob")}
     value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions)}
     if device == "cuda":
         value["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(0)
-    return StageResult(files, digest=compiled, value=value)
+    return StageResult(files, digest=digest(shas), value=value, known=shas)
 
 
 def _write_json(path: Path, value) -> Path:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from cudabuild.backend import calling_convention, delegate
 from cudabuild.errors import CompileFailed, one_line
-from cudabuild.backend.programs import graph_digest, graph_summary, load_program, save_program, write_summary
+from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, load_program, save_program, write_summary
+from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.trace import phase
 
@@ -37,10 +38,12 @@ def run(ctx) -> StageResult:
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     method = ctx.stage.method
+    release_model()
+    reuse = StoredWeights()  # the exported weights, mapped from the store: handed on, not copied
     with phase("load"):
-        ep = load_program(lambda name: ctx.blob("export", method, name))
+        ep = load_program(ctx.reader("export", method), reuse)
     try:
-        with delegate.capture() as captured:
+        with delegate.capture() as captured, reuse.shared_when_copied():
             lowered = to_edge_transform_and_lower(
                 {method: ep},
                 partitioner={method: [delegate.partitioner(method, {}, ctx.config.target)]},
@@ -52,13 +55,18 @@ def run(ctx) -> StageResult:
     if len(programs) != 1:
         raise CompileFailed(f"method {method}: expected the whole graph in one AOTI partition, got {len(programs)}")
     positions = calling_convention.delegate_input_positions(lowered.exported_program(method), method)
-    edge = backend_passes(programs[0], ctx.config.specs[method])
+    with reuse.shared_when_copied():
+        edge = backend_passes(programs[0], ctx.config.specs[method])
+    delegate.forget_lowered_graphs()  # the passes compare nodes too (see there)
     calling_convention.reorder_user_inputs(edge, positions)
     _check_inputs_match(ep, edge, sorted(positions), method)
-    summary = graph_summary(edge)
-    files = save_program(edge, ctx.workdir)
+    with phase("save"):
+        saved = save_program(edge, ctx.workdir, reuse)
+    summary = graph_summary(edge, saved.weights)
+    files = dict(saved.files)
     files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
-    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])})
+    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"]), "weights_reused": len(saved.reused)},
+                       known=saved.shas, stored=saved.reused)
 
 
 def _check_inputs_match(exported, edge, read: list[int], method: str) -> None:

@@ -7,7 +7,7 @@ import json
 from cudabuild import registry
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import canonical_json
-from cudabuild.backend.programs import graph_digest, graph_summary, save_program, write_summary
+from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, save_program, write_summary
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.trace import phase
 
@@ -16,7 +16,16 @@ from cudabuild.engine.trace import phase
 # build's stages together (builds one after another; each `doit -n` worker is its own process),
 # so an earlier model would only hold memory (tens of GB for a real checkpoint), and a later
 # return to it costs one rebuild, which gives the same weights (seeded, or the checkpoint's).
+# Beside the model, the weight files its first export wrote (programs.StoredWeights): every method exports
+# the same parameters, so the next method names those files instead of writing them again.
 _MODELS: dict = {}
+
+
+def release_model() -> None:
+    """Forget the eager model. Stages after export call this first: a real checkpoint's model is
+    as big as every later stage's working set, and holding both would double the build's memory
+    (verify's eager reference runs the stored exported program instead)."""
+    _MODELS.clear()
 
 
 def build_model(ctx):
@@ -26,7 +35,7 @@ def build_model(ctx):
         _MODELS.clear()  # before building: the old and the new model need not fit together
         recipe = registry.load_recipe(config.project, config.model)
         try:
-            _MODELS[key] = (recipe, recipe.build(dict(config.options)))
+            _MODELS[key] = (recipe, recipe.build(dict(config.options)), StoredWeights())
         except CudabuildError:
             raise
         except Exception as e:
@@ -38,7 +47,7 @@ def run(ctx) -> StageResult:
     import torch
 
     with phase("load"):  # the model built, its checkpoint read
-        recipe, model = build_model(ctx)
+        recipe, model, reuse = build_model(ctx)
     method = next(m for m in recipe.methods if m.name == ctx.stage.method)
     try:
         inputs = tuple(method.inputs(model))
@@ -46,10 +55,13 @@ def run(ctx) -> StageResult:
         ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as e:
         raise ExportFailed(f"method {method.name} of {ctx.config.model} failed to export: {one_line(e)}") from e
-    summary = graph_summary(ep)
-    files = save_program(ep, ctx.workdir)
+    with phase("save"):
+        saved = save_program(ep, ctx.workdir, reuse)
+    summary = graph_summary(ep, saved.weights)
+    files = dict(saved.files)
     files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
     metadata = dict(recipe.constant_methods(model)) if recipe.constant_methods else {}
     files["metadata.json"] = ctx.workdir / "metadata.json"
     files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))
-    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])})
+    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])},
+                       known=saved.shas, stored=saved.reused)

@@ -18,6 +18,7 @@ from pathlib import Path
 from cudabuild.backend import calling_convention, delegate, standin
 from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend.programs import load_program
+from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.runner import StageResult
 
 PTE = "model.pte"
@@ -35,17 +36,28 @@ def run(ctx) -> StageResult:
         try:
             programs[m] = standin.stand_in_program(json.loads(ctx.blob("export", m, "graph.json")))
         except standin.Unsupported as e:
-            programs[m] = load_program(lambda name, m=m: ctx.blob("export", m, name))
+            programs[m] = load_program(ctx.reader("export", m))
             relowered[m] = str(e)
-    compiled = {
-        m: delegate.Compiled(ctx.blob("compile", m, "model.so"), ctx.blob("compile", m, "weights.blob"))
-        for m in methods
-    }
+    release_model()
+    weights: dict[str, bytes] = {}  # by sha256, filled by _read_once
+    compiled = {}
+    for m in methods:
+        sha = ctx.upstream("compile", m).outputs["weights.blob"]
+        compiled[m] = delegate.Compiled(ctx.blob("compile", m, "model.so"), _read_once(ctx, m, weights), sha)
     files = write_package(
         programs, compiled, {m: dict(config.specs[m]) for m in methods}, config.target,
         json.loads(ctx.blob("export", methods[0], "metadata.json")), ctx.workdir, config.model,
     )
     return StageResult(files, value={"stand_in": [m for m in methods if m not in relowered], "relowered": relowered})
+
+
+def _read_once(ctx, method: str, read: dict) -> bytes:
+    """A method's weights blob, read into memory once per distinct blob (`read`: sha256 -> bytes):
+    the methods' blobs hold the same weights, and one copy of tens of GB is what packaging may hold."""
+    sha = ctx.upstream("compile", method).outputs["weights.blob"]
+    if sha not in read:
+        read[sha] = ctx.blob_path("compile", method, "weights.blob").read_bytes()
+    return read[sha]
 
 
 def write_package(programs: dict, compiled: dict, specs: dict, target: str, metadata: dict, workdir: Path,

@@ -1,0 +1,58 @@
+"""How much memory a stage held at its peak: resident set size sampled while it runs (Linux).
+
+A thread reads /proc/self/statm every 50 ms while the stage's code runs, and keeps the largest
+resident size seen (anonymous memory plus mapped file pages the process touched). Sampling may
+miss a spike shorter than the interval; the process's own high-water mark (VmHWM) does not, but
+it covers the whole process, so it cannot say which stage it was. Resetting it per stage
+(/proc/self/clear_refs) would do that, at the cost of falsifying what `time -v` and wait4 report
+for the build, so it is left alone. Where /proc is missing, peaks are None.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+INTERVAL_S = 0.05
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class PeakSampler:
+    """`with PeakSampler() as s: ...` then `s.peak`: the largest resident size seen, in bytes."""
+
+    def __init__(self, interval_s: float = INTERVAL_S):
+        self.interval_s = interval_s
+        self.peak: Optional[int] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _sample(self) -> None:
+        now = resident_bytes()
+        if now is not None:
+            self.peak = max(self.peak or 0, now)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> "PeakSampler":
+        self._sample()
+        if self.peak is not None:
+            self._thread = threading.Thread(target=self._loop, name="cudabuild-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()

@@ -1,0 +1,104 @@
+"""Programs as stored artifacts (cudabuild.backend.programs): weights written one file each, mapped
+back from the store rather than read, handed on unchanged without being written or copied again."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, load_program, save_program
+
+
+class Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16,), 2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def exported():
+    torch.manual_seed(0)
+    return torch.export.export(Small().eval(), (torch.randn(2, 16),))
+
+
+def reader(saved):
+    read = lambda name: saved.files[name]  # noqa: E731  a store hands out its verified file
+    read.sha = lambda name: saved.shas[name]
+    return read
+
+
+def test_a_saved_program_loads_back_mapped_and_runs_the_same(tmp_path):
+    ep = exported()
+    saved = save_program(ep, tmp_path / "a")
+    assert sorted(n for n in saved.files if n.startswith("tensor.")) == ["tensor.lin.bias", "tensor.lin.weight", "tensor.scale"]
+    weights = StoredWeights()
+    loaded = load_program(reader(saved), weights)
+    assert len(weights.tensors()) == 3  # every weight came from a mapped file
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(loaded.module()(x), ep.module()(x))
+    # The digest keys the weights by their files: the same program saved again gives the same one.
+    again = save_program(ep, tmp_path / "b")
+    assert graph_digest(graph_summary(ep, saved.weights)) == graph_digest(graph_summary(ep, again.weights))
+
+
+def test_weights_handed_on_unchanged_are_named_not_written(tmp_path):
+    saved = save_program(exported(), tmp_path / "export")
+    weights = StoredWeights()
+    loaded = load_program(reader(saved), weights)
+    loaded.state_dict["lin.bias"] = loaded.state_dict["lin.bias"] + 1  # a stage that changes one weight
+    resaved = save_program(loaded, tmp_path / "edge", weights)
+    assert set(resaved.reused) == {"tensor.lin.weight", "tensor.scale"}
+    assert resaved.reused["tensor.lin.weight"] == saved.shas["tensor.lin.weight"]
+    assert "tensor.lin.bias" in resaved.files and resaved.shas["tensor.lin.bias"] != saved.shas["tensor.lin.bias"]
+    assert not (tmp_path / "edge" / "tensor.lin.weight").exists()
+
+
+def test_a_deep_copy_shares_the_mapped_weights_only_inside_the_block(tmp_path):
+    saved = save_program(exported(), tmp_path / "a")
+    weights = StoredWeights()
+    loaded = load_program(reader(saved), weights)
+    other = torch.randn(4)
+    with weights.shared_when_copied():
+        copied = copy.deepcopy(loaded)
+        fresh = copy.deepcopy(other)
+    assert copied.state_dict["lin.weight"] is loaded.state_dict["lin.weight"]
+    assert fresh is not other and torch.equal(fresh, other)
+    assert copy.deepcopy(loaded).state_dict["lin.weight"] is not loaded.state_dict["lin.weight"]
+
+
+def test_a_view_of_a_stored_weight_is_not_taken_for_it(tmp_path):
+    saved = save_program(exported(), tmp_path / "a")
+    weights = StoredWeights()
+    loaded = load_program(reader(saved), weights)
+    w = loaded.state_dict["lin.weight"]
+    assert weights.sha_of(w) == saved.shas["tensor.lin.weight"]
+    assert weights.sha_of(w.t()) is None and weights.sha_of(w[:8]) is None
+    assert weights.sha_of(torch.zeros(3)) is None and weights.sha_of(w.clone()) is None
+
+
+def test_a_lowering_leaves_no_program_alive_behind_it():
+    """ExecuTorch memoises every node its lowering compares (is_same_node, without bound), which
+    kept each lowered program and its weights alive for the rest of the build: gigabytes per stage
+    for a real checkpoint. capture() and emit() drop that memo when they end."""
+    import gc
+    import weakref
+
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.exir.backend import utils
+
+    from cudabuild.backend import delegate
+
+    ep = exported()
+    weight = weakref.ref(ep.state_dict["lin.weight"])
+    with delegate.capture() as captured:
+        to_edge_transform_and_lower({"forward": ep}, partitioner={"forward": [delegate.partitioner("forward", {}, "cpu")]},
+                                    compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    assert len(captured["forward"]) == 1
+    assert utils.is_same_node.cache_info().currsize == 0
+    del ep, captured
+    gc.collect()
+    assert weight() is None
