@@ -12,7 +12,7 @@ from conftest import assert_ok
 
 from cudabuild.backend.programs import load_program
 from cudabuild.backend import aoti_constants
-from cudabuild.backend.stages.verify import compute_dtype, constants_unlike_program, promote_libtorch
+from cudabuild.backend.stages.verify import compute_dtype, constants_unlike_program, program_tensors, promote_libtorch
 from cudabuild.engine.store import Store
 
 
@@ -65,7 +65,7 @@ def test_the_blob_check_that_lets_verify_map_the_weights_holds_for_a_sound_blob_
     promote_libtorch("cpu")
     table = aoti_constants.constants_table(so)
     assert len(table) == 25 and not any(c.folded for c in table)
-    tensors = dict(edge.state_dict, **{k: v for k, v in edge.constants.items() if hasattr(v, "untyped_storage")})
+    tensors = program_tensors(edge)
     assert aoti_constants.check_blob(Path(blob), table, tensors) is None
     data = bytearray(open(blob, "rb").read())
     at = bytes(data).find(edge.state_dict["lm_head.weight"].detach().contiguous().numpy().tobytes())

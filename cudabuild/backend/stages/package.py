@@ -43,7 +43,7 @@ def run(ctx) -> StageResult:
     compiled = {}
     for m in methods:
         sha = ctx.upstream("compile", m).outputs["weights.blob"]
-        compiled[m] = delegate.Compiled(ctx.blob("compile", m, "model.so"), _read_once(ctx, m, weights), sha)
+        compiled[m] = delegate.Compiled(ctx.blob("compile", m, "model.so"), _read_once(ctx, m, sha, weights), sha)
     files = write_package(
         programs, compiled, {m: dict(config.specs[m]) for m in methods}, config.target,
         json.loads(ctx.blob("export", methods[0], "metadata.json")), ctx.workdir, config.model,
@@ -51,10 +51,9 @@ def run(ctx) -> StageResult:
     return StageResult(files, value={"stand_in": [m for m in methods if m not in relowered], "relowered": relowered})
 
 
-def _read_once(ctx, method: str, read: dict) -> bytes:
+def _read_once(ctx, method: str, sha: str, read: dict) -> bytes:
     """A method's weights blob, read into memory once per distinct blob (`read`: sha256 -> bytes):
     the methods' blobs hold the same weights, and one copy of tens of GB is what packaging may hold."""
-    sha = ctx.upstream("compile", method).outputs["weights.blob"]
     if sha not in read:
         read[sha] = ctx.blob_path("compile", method, "weights.blob").read_bytes()
     return read[sha]

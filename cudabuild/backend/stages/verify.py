@@ -51,6 +51,16 @@ def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> li
     return load_compiled(so_path, blob_path, device).run([t.to(device) for t in inputs])
 
 
+def program_tensors(ep) -> dict:
+    """Every tensor a compiled .so may hold as a constant, by FQN: the weights and the tensor
+    constants (KV caches and other buffers) of the program it was compiled from."""
+    import torch
+
+    tensors = dict(ep.state_dict)
+    tensors.update((fqn, t) for fqn, t in ep.constants.items() if isinstance(t, torch.Tensor))
+    return tensors
+
+
 def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> tuple[int, list[str]]:
     """Load the blob into a fresh runner and compare every constant it names with the program's
     tensor of the same FQN: (how many were compared, the FQNs whose values differ). Read before
@@ -58,8 +68,7 @@ def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> t
     made itself (folded or prepacked, no FQN of the program or another shape) are not compared."""
     import torch
 
-    reference = dict(ep.state_dict)
-    reference.update((fqn, t) for fqn, t in ep.constants.items() if isinstance(t, torch.Tensor))
+    reference = program_tensors(ep)
     # The extracted tensors are views of the runner's constant memory: keep the runner alive.
     runner = load_compiled(so_path, blob_path, device)
     loaded = runner.extract_constants_map(False)
@@ -154,8 +163,7 @@ def run_compiled_lean(ctx, method: str, so: str, blob, inputs: tuple, device: st
     stored = StoredWeights()
     edge = load_program(ctx.reader("edge", method), stored)  # fresh buffers (KV caches): eager wrote into its own
     mapped = mapped_weights.Mapped(stored.tensors())
-    tensors = dict(edge.state_dict)
-    tensors.update((fqn, t) for fqn, t in edge.constants.items() if isinstance(t, torch.Tensor))
+    tensors = program_tensors(edge)
     table = aoti_constants.constants_table(so)
     problem = aoti_constants.check_blob(blob, table, tensors, mapped) or (
         "the .so folds constants" if any(c.folded for c in table) else None)
