@@ -102,3 +102,28 @@ def test_a_lowering_leaves_no_program_alive_behind_it():
     del ep, captured
     gc.collect()
     assert weight() is None
+
+
+def test_a_written_package_leaves_no_weights_blob_in_memory(tmp_path):
+    """torch's fake-tensor caches keep the lowered modules of a package alive after it is
+    written, and each held its method's weights blob: as many bytes as the checkpoint, for the rest
+    of the build. emit() empties the named data it handed out when it ends."""
+    import gc
+    import sys
+
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    from cudabuild.backend import delegate
+
+    blob = bytes(range(256)) * 4096  # 1 MiB, one object that only this test and the package see
+    alone = sys.getrefcount(blob)
+    with delegate.emit(lambda method: delegate.Compiled(b"so", blob), "cpu"):
+        manager = to_edge_transform_and_lower(
+            {"forward": exported()}, partitioner={"forward": [delegate.partitioner("forward", {}, "cpu")]},
+            compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        program = manager.to_executorch()
+        program.write_tensor_data_to_file(str(tmp_path))
+    assert (tmp_path / "aoti_cpu_blob.ptd").read_bytes().count(blob[:4096]) >= 256  # it was written
+    del manager, program
+    gc.collect()
+    assert sys.getrefcount(blob) == alone

@@ -41,7 +41,8 @@ class Compiled:
 
 
 _capture: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("cudabuild_capture", default=None)
-_emit: contextvars.ContextVar[Optional[tuple[Callable[[str], Compiled], str]]] = contextvars.ContextVar(
+# emit(): (lookup, device, the named data handed to ExecuTorch so far)
+_emit: contextvars.ContextVar[Optional[tuple[Callable[[str], Compiled], str, list]]] = contextvars.ContextVar(
     "cudabuild_emit", default=None
 )
 
@@ -64,8 +65,10 @@ class CudabuildAotiBackend(BackendDetails):
         emit = _emit.get()
         if emit is None:
             raise RuntimeError(f"{BACKEND_NAME} used outside capture() or emit() (method {method})")
-        lookup, device = emit
-        return _emit_result(lookup(method), device)
+        lookup, device, handed = emit
+        result = _emit_result(lookup(method), device)
+        handed.append(result.data_store_output)
+        return result
 
 
 def _emit_result(compiled: Compiled, device: str) -> PreprocessResult:
@@ -112,11 +115,24 @@ def capture():
 
 @contextlib.contextmanager
 def emit(lookup: Callable[[str], Compiled], device: str):
-    token = _emit.set((lookup, device))
+    """Within this block, lowering emits `lookup(method)` as each method's delegate. Write the
+    package inside the block: when it ends, the named data it handed out is emptied.
+
+    That is because torch keeps the lowered modules alive after the lowering returns: its
+    fake-tensor dispatch caches (`FakeTensorMode.cache`, and each ShapeEnv's `fake_tensor_cache`,
+    which ShapeEnv's memoised methods keep alive) hold them in their keys, and each lowered module
+    holds its method's .so and weights blob. For a real checkpoint that is as many bytes as the
+    weights, for the rest of the build. Emptying the buffers we handed out frees them whoever
+    holds the module; clearing torch's caches would depend on which caches this torch has.
+    """
+    handed: list = []
+    token = _emit.set((lookup, device, handed))
     try:
         yield
     finally:
         _emit.reset(token)
+        for output in handed:
+            output.buffers.clear()
         forget_lowered_graphs()
 
 

@@ -85,6 +85,10 @@ def clone_file(src: Path, dest: Path) -> str:
             if e.errno not in _NO_REFLINK:
                 raise
         size = os.fstat(fin.fileno()).st_size
+        # As cp does: a sequential read gets twice the readahead, and with it fewer seeks between
+        # the reads and the writes of a copy on one disk (at 8.8 GB: 33 s without, 21 s with).
+        with contextlib.suppress(AttributeError, OSError):
+            os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         copied = 0
         try:
             while copied < size:

@@ -31,6 +31,7 @@ class PeakSampler:
 
     def __init__(self, interval_s: float = INTERVAL_S):
         self.interval_s = interval_s
+        self.start: Optional[int] = None  # the resident size on entry
         self.peak: Optional[int] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -44,7 +45,12 @@ class PeakSampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
+    def grown(self) -> Optional[int]:
+        """How far the peak so far is above the resident size on entry, in bytes."""
+        return None if self.start is None or self.peak is None else self.peak - self.start
+
     def __enter__(self) -> "PeakSampler":
+        self.start = resident_bytes()
         self._sample()
         if self.peak is not None:
             self._thread = threading.Thread(target=self._loop, name="cudabuild-memory", daemon=True)

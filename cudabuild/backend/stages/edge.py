@@ -11,7 +11,7 @@ something.
 
 from __future__ import annotations
 
-from cudabuild.backend import calling_convention, delegate
+from cudabuild.backend import calling_convention, delegate, op_listing
 from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, load_program, save_program, write_summary
 from cudabuild.backend.stages.export import release_model
@@ -42,21 +42,22 @@ def run(ctx) -> StageResult:
     reuse = StoredWeights()  # the exported weights, mapped from the store: handed on, not copied
     with phase("load"):
         ep = load_program(ctx.reader("export", method), reuse)
-    try:
-        with delegate.capture() as captured, reuse.shared_when_copied():
-            lowered = to_edge_transform_and_lower(
-                {method: ep},
-                partitioner={method: [delegate.partitioner(method, {}, ctx.config.target)]},
-                compile_config=EdgeCompileConfig(_check_ir_validity=False),
-            )
-    except Exception as e:
-        raise CompileFailed(f"method {method}: edge lowering failed: {one_line(e)}") from e
-    programs = captured.get(method, [])
-    if len(programs) != 1:
-        raise CompileFailed(f"method {method}: expected the whole graph in one AOTI partition, got {len(programs)}")
-    positions = calling_convention.delegate_input_positions(lowered.exported_program(method), method)
-    with reuse.shared_when_copied():
-        edge = backend_passes(programs[0], ctx.config.specs[method])
+    with op_listing.listed_once():  # the lowering decomposes twice, the passes once more
+        try:
+            with delegate.capture() as captured, reuse.shared_when_copied():
+                lowered = to_edge_transform_and_lower(
+                    {method: ep},
+                    partitioner={method: [delegate.partitioner(method, {}, ctx.config.target)]},
+                    compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                )
+        except Exception as e:
+            raise CompileFailed(f"method {method}: edge lowering failed: {one_line(e)}") from e
+        programs = captured.get(method, [])
+        if len(programs) != 1:
+            raise CompileFailed(f"method {method}: expected the whole graph in one AOTI partition, got {len(programs)}")
+        positions = calling_convention.delegate_input_positions(lowered.exported_program(method), method)
+        with reuse.shared_when_copied():
+            edge = backend_passes(programs[0], ctx.config.specs[method])
     delegate.forget_lowered_graphs()  # the passes compare nodes too (see there)
     calling_convention.reorder_user_inputs(edge, positions)
     _check_inputs_match(ep, edge, sorted(positions), method)

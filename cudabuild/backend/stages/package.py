@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cudabuild.backend import calling_convention, delegate, standin
+from cudabuild.backend import calling_convention, delegate, op_listing, standin
 from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend.programs import load_program
 from cudabuild.backend.stages.export import release_model
@@ -67,25 +67,27 @@ def write_package(programs: dict, compiled: dict, specs: dict, target: str, meta
 
     methods = list(programs)
     partitioners = {m: [delegate.partitioner(m, specs[m], target)] for m in methods}
+    pte = workdir / PTE
     try:
-        with delegate.emit(compiled.__getitem__, target):
+        with op_listing.listed_once(), delegate.emit(compiled.__getitem__, target):
             edge = to_edge_transform_and_lower(
                 programs,
                 partitioner=partitioners,
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
                 constant_methods=metadata or None,
             )
-        calling_convention.call_delegates_in_method_order(edge, methods)
-        renamed = delegate.rename_delegates(edge, methods, target)
-        program = edge.to_executorch()
+            calling_convention.call_delegates_in_method_order(edge, methods)
+            renamed = delegate.rename_delegates(edge, methods, target)
+            if renamed != len(methods):
+                raise CompileFailed(f"packaging {model}: expected one delegate per method, found {renamed}")
+            program = edge.to_executorch()
+            with open(pte, "wb") as f:
+                program.write_to_file(f)
+            program.write_tensor_data_to_file(str(workdir))
+    except CompileFailed:
+        raise
     except Exception as e:
         raise CompileFailed(f"packaging {model} failed: {one_line(e)}") from e
-    if renamed != len(methods):
-        raise CompileFailed(f"packaging {model}: expected one delegate per method, found {renamed}")
-    pte = workdir / PTE
-    with open(pte, "wb") as f:
-        program.write_to_file(f)
-    program.write_tensor_data_to_file(str(workdir))
     files = {PTE: pte}
     for path in workdir.glob("*.ptd"):
         files[path.name] = path

@@ -18,7 +18,7 @@ from cudabuild.backend import aoti_constants, mapped_weights
 from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.runner import COLLECT_AFTER_GROWTH, StageResult
 from cudabuild.engine.trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
@@ -93,9 +93,12 @@ def run(ctx) -> StageResult:
     expected = eager_outputs(ep, inputs, device)
     compute = compute_dtype(ep, expected)
     # The eager program's weights are unmapped before the compiled code gets its own: one copy of
-    # a big model at a time.
+    # a big model at a time. Its graph module holds reference cycles, so that takes a collection
+    # (a fraction of a second with torch loaded: only where the weights are worth it).
+    held = sum(t.nbytes for t in ep.state_dict.values())
     del ep
-    gc.collect()  # the program's graph module holds reference cycles: free its mappings now
+    if held > COLLECT_AFTER_GROWTH:
+        gc.collect()
     so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
     blob = ctx.blob_path("compile", method, "weights.blob")
     with phase("compiled"):
