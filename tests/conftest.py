@@ -2,8 +2,9 @@
 
 A test project is a copy of dodo.py, cudabuild/ and recipes/ in a tmp dir, with its own cache
 dir, so a test can edit a recipe or corrupt the cache without touching anyone else's. The first
-real build (about 45 s on 2 cores) happens once per session; tests that change things start from
-a copy of the built project *and* of its cache.
+real build (about 70 s on 2 cores) happens once per test run, however many pytest-xdist workers
+share the run (`shared_build`); tests that change things start from a copy of the built project
+*and* of its cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -116,20 +118,53 @@ def project(tmp_path) -> Project:
 _SESSION: dict[str, Project] = {}
 
 
+def shared_build(name: str, tmp_path_factory, make) -> Project:
+    """This process's own copy of a project that `make(folder)` builds (returning the Project it
+    made in that folder), built once per test run.
+
+    Under pytest-xdist the workers share the run's temp dir: the first to ask builds there while
+    the others wait on a file lock, and each then copies the finished folder (project, cache, and
+    whatever else `make` left in it) into its own temp dir. So no two processes ever use one
+    project or cache (a read-only command still writes the cache's file-hash memo), and a build
+    that failed is tried again by the next asker.
+    """
+    if name in _SESSION:
+        return _SESSION[name]
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _SESSION[name] = make(tmp_path_factory.mktemp(name))
+        return _SESSION[name]
+    run_dir = tmp_path_factory.getbasetemp().parent
+    shared, done = run_dir / f"shared-{name}", run_dir / f"shared-{name}.done"
+    with FileLock(str(run_dir / f"shared-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            built = make(shared)
+            done.write_text(json.dumps({"root": str(built.root.relative_to(shared)),
+                                        "cache": str(built.cache.relative_to(shared))}))
+    where = json.loads(done.read_text())
+    mine = tmp_path_factory.mktemp(name) / "copy"
+    shutil.copytree(shared, mine, symlinks=True)
+    _SESSION[name] = Project(mine / where["root"], mine / where["cache"])
+    return _SESSION[name]
+
+
+def _build_tiny(folder: Path) -> Project:
+    proj = new_project(folder)
+    result = proj.export("model=tiny_lm", "target=cpu")
+    assert_ok(result)
+    (folder / "export.out").write_text(json.dumps({"stdout": result.stdout, "stderr": result.stderr}))
+    return proj
+
+
 def tiny_build(tmp_path_factory) -> Project:
-    """The session's one real `doit export model=tiny_lm target=cpu` (read-only: copy it to change it)."""
-    if "tiny" not in _SESSION:
-        proj = new_project(tmp_path_factory.mktemp("built_tiny"))
-        result = proj.export("model=tiny_lm", "target=cpu")
-        assert_ok(result)
-        _SESSION["tiny"], _SESSION["tiny_output"] = proj, result
-    return _SESSION["tiny"]
+    """The run's one real `doit export model=tiny_lm target=cpu` (read-only: copy it to change it)."""
+    return shared_build("built_tiny", tmp_path_factory, _build_tiny)
 
 
 def tiny_build_output(tmp_path_factory) -> subprocess.CompletedProcess:
-    """What the session's one real build printed (stdout and stderr)."""
-    tiny_build(tmp_path_factory)
-    return _SESSION["tiny_output"]
+    """What the run's one real build printed (stdout and stderr)."""
+    printed = json.loads((tiny_build(tmp_path_factory).root.parent / "export.out").read_text())
+    return subprocess.CompletedProcess(["doit", "export", "model=tiny_lm", "target=cpu"], 0, printed["stdout"], printed["stderr"])
 
 
 @pytest.fixture(scope="session")
