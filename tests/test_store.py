@@ -1,7 +1,8 @@
 """cudabuild.engine.store: a damaged blob is dropped and reported in one line; a damaged record (not
 JSON, no digest, an output outside build/) is warned about, dropped and read as a miss, whichever
 way it is read, and a build then runs its stage instead of failing; a blob from the remote tier
-passes through a scratch file that never stays behind."""
+passes through a scratch file that never stays behind; a disk that fills up under an open store
+refuses its reads in one line (diskcache's reads write access times) and loses nothing."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_remote import server  # noqa: F401  (a real redis-server on loopback, 
 from cudabuild.engine import remote
 from cudabuild.engine.remote import RedisTier
 from cudabuild.engine.store import Store
-from cudabuild.errors import CorruptBlob, MissingBlob
+from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
 
 
 @pytest.fixture(autouse=True)
@@ -146,5 +147,45 @@ def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server
         with pytest.raises(MissingBlob):
             store.fetch("0" * 64, tmp_path / "absent.bin")  # in neither tier
         assert list((tmp_path / "cache" / "incoming").iterdir()) == []
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs (needs root and permission to mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2048k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_reads_of_an_open_store_on_a_disk_that_filled_up_fail_in_one_line_and_lose_nothing(tiny_disk):
+    store = Store(tiny_disk / "cache")
+    try:
+        sha = store.put_bytes(b"weights" * 1000)
+        store.put_json("recipe:tiny", {"methods": ["decode"]})
+        source = tiny_disk / "recipe.py"
+        source.write_text("x = 1\n")
+        digest = store.hasher(source)
+        filler = tiny_disk / "filler"
+        with open(filler, "wb", buffering=0) as f:
+            with pytest.raises(OSError):
+                while True:
+                    f.write(bytes(4096))
+
+        # The file-hash memo is an optimisation: unreadable, it is a miss, and the file is hashed.
+        assert store.hasher(source) == digest
+        with pytest.raises(CacheUnwritable, match=f"cannot write to the cache at {tiny_disk / 'cache'} while reading blob {sha[:12]}: its disk is full"):
+            store.read_bytes(sha)
+        with pytest.raises(CacheUnwritable, match="while reading the recipe document: its disk is full"):
+            store.get_json("recipe:tiny")
+
+        filler.unlink()
+        assert store.read_bytes(sha) == b"weights" * 1000
+        assert store.get_json("recipe:tiny") == {"methods": ["decode"]}
     finally:
         store.close()

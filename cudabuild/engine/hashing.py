@@ -79,7 +79,10 @@ class FileHasher:
         if sig is None:
             return None
         key = _memo_key(tag, path)
-        hit = self._memo.get(key)
+        try:
+            hit = self._memo.get(key)
+        except (OSError, sqlite3.Error):  # a read that cannot update the entry's access time (a full disk): a miss
+            hit = None
         if hit and hit[0] == sig:
             return hit[1]
         value = compute(path)

@@ -108,6 +108,14 @@ class Store:
         except (OSError, sqlite3.Error) as e:
             raise CacheUnwritable(_unwritable(self.root, f"storing {what}", e)) from e
 
+    def _get(self, key: str, what: str, **options):
+        """diskcache's get, its failure reported as _set's is: with the LRU policy a read is a write
+        too (it updates the entry's access time), which a full disk refuses."""
+        try:
+            return self.cache.get(key, **options)
+        except (OSError, sqlite3.Error) as e:
+            raise CacheUnwritable(_unwritable(self.root, f"reading {what}", e)) from e
+
     def put_file(self, path: os.PathLike | str, sha: Optional[str] = None) -> str:
         """Store a file's bytes under their sha256 (once: an existing blob is not rewritten)."""
         sha = sha or sha256_file(path)
@@ -126,7 +134,7 @@ class Store:
 
     @contextlib.contextmanager
     def _open_blob(self, sha: str) -> Iterator[io.BufferedReader]:
-        handle = self.cache.get("blob:" + sha, read=True)
+        handle = self._get("blob:" + sha, f"blob {sha[:12]}", read=True)
         if handle is None:
             # diskcache also says None for a row whose file is gone: drop the row with it, or it
             # stays behind as an entry that can never be read.
@@ -224,7 +232,7 @@ class Store:
         A blob named by the record may be in either tier (fetch copies it in when it is needed); a
         record found remotely is copied into this store.
         """
-        record, source = self._checked(key, self.cache.get("rec:" + key)), "local"
+        record, source = self._checked(key, self._get("rec:" + key, f"record {key[:12]}")), "local"
         if record is None and self.remote is not None:
             record, source = self.remote.get_record(key), "remote"
         if record is None or not self._blobs_reachable(record, remote_ok=True):
@@ -259,7 +267,7 @@ class Store:
     # -- small JSON documents (recipe descriptions, logs) ---------------------------------------
 
     def get_json(self, name: str) -> Optional[dict]:
-        raw = self.cache.get("doc:" + name)
+        raw = self._get("doc:" + name, f"the {name.partition(':')[0]} document")
         if raw is not None:
             return json.loads(raw)
         if self.remote is None or not name.startswith(SHARED_DOCS):
@@ -301,7 +309,7 @@ class Store:
             keys = keys[-last:] if last > 0 else []
         entries = []
         for key in keys:
-            raw = self.cache.get(key)
+            raw = self._get(key, "the build log")
             if raw is not None:
                 entries.append(json.loads(raw))
         return entries

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from cudabuild.backend import calling_convention, delegate, op_listing
 from cudabuild.errors import CompileFailed, one_line
-from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, load_program, save_program, write_summary
+from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
+from cudabuild.backend.stages.program_result import program_result
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.trace import phase
 
@@ -61,13 +62,7 @@ def run(ctx) -> StageResult:
     delegate.forget_lowered_graphs()  # the passes compare nodes too (see there)
     calling_convention.reorder_user_inputs(edge, positions)
     _check_inputs_match(ep, edge, sorted(positions), method)
-    with phase("save"):
-        saved = save_program(edge, ctx.workdir, reuse)
-    summary = graph_summary(edge, saved.weights)
-    files = dict(saved.files)
-    files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
-    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"]), "weights_reused": len(saved.reused)},
-                       known=saved.shas, stored=saved.reused)
+    return program_result(edge, ctx.workdir, reuse)
 
 
 def _check_inputs_match(exported, edge, read: list[int], method: str) -> None:

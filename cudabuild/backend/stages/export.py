@@ -7,7 +7,8 @@ import json
 from cudabuild import registry
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import canonical_json
-from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, save_program, write_summary
+from cudabuild.backend.programs import StoredWeights
+from cudabuild.backend.stages.program_result import program_result
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.trace import phase
 
@@ -55,13 +56,8 @@ def run(ctx) -> StageResult:
         ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as e:
         raise ExportFailed(f"method {method.name} of {ctx.config.model} failed to export: {one_line(e)}") from e
-    with phase("save"):
-        saved = save_program(ep, ctx.workdir, reuse)
-    summary = graph_summary(ep, saved.weights)
-    files = dict(saved.files)
-    files["graph.json"] = write_summary(summary, ctx.workdir / "graph.json")
+    result = program_result(ep, ctx.workdir, reuse)
     metadata = dict(recipe.constant_methods(model)) if recipe.constant_methods else {}
-    files["metadata.json"] = ctx.workdir / "metadata.json"
-    files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))
-    return StageResult(files, digest=graph_digest(summary), value={"nodes": len(summary["nodes"])},
-                       known=saved.shas, stored=saved.reused)
+    result.files["metadata.json"] = ctx.workdir / "metadata.json"
+    result.files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))
+    return result

@@ -108,7 +108,7 @@ def run(ctx) -> StageResult:
     for i, (want, got) in enumerate(zip(expected, actual)):
         got = got.detach().to("cpu")
         dtype = str(want.dtype).removeprefix("torch.")
-        precision = _narrowest(want.dtype, compute) if want.dtype.is_floating_point else want.dtype
+        precision = _narrowest((want.dtype, compute)) if want.dtype.is_floating_point else want.dtype
         scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
         diff = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
         allowed = tolerances.get(str(precision).removeprefix("torch."), 1e-4) * scale
@@ -136,17 +136,16 @@ def run(ctx) -> StageResult:
 def compute_dtype(ep, outputs: list):
     """The precision the method computes in: the narrowest floating dtype of its weights (a bf16
     model's logits come out as float32 but carry bf16's error), else of its outputs."""
-    import torch
-
     dtypes = {t.dtype for t in ep.state_dict.values() if t.dtype.is_floating_point}
     dtypes |= {t.dtype for t in outputs if t.dtype.is_floating_point}
-    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
+    return _narrowest(dtypes)
 
 
-def _narrowest(a, b):
+def _narrowest(dtypes):
+    """The floating dtype of fewest bits (the first of them on a tie), float32 if there is none."""
     import torch
 
-    return a if torch.finfo(a).bits <= torch.finfo(b).bits else b
+    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
 
 def run_compiled_lean(ctx, method: str, so: str, blob, inputs: tuple, device: str) -> tuple[list, str]:
