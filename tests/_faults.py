@@ -1,5 +1,6 @@
 """Fault injection for tests/test_hardening.py: builds started in the background and SIGKILLed at a
-chosen moment, stages made to run again, damaged blobs, and the checks a build must pass afterwards.
+chosen moment, stages made to run again, damaged blobs, small disks, and the checks a build must
+pass afterwards.
 
 Everything here acts on real processes and files: a stage is "forgotten" by deleting its stamp and
 its record (what gc eviction does), a kill is SIGKILL to the build's whole process group.
@@ -16,7 +17,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+import pytest
 
 from _kill_hook import MARKER
 from conftest import Project
@@ -25,6 +28,20 @@ from cudabuild.engine.store import Store
 
 MODEL, TARGET = "tiny_lm", "cpu"
 BUILD_ARGS = (f"model={MODEL}", f"target={TARGET}")
+
+
+def tmpfs(mount: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of `size` bytes mounted at `mount` while the generator runs (for a fixture; skips the
+    test where this process may not mount one, as outside root)."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def sha(path: Path) -> str:

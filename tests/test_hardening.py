@@ -20,7 +20,7 @@ import pytest
 
 from _faults import (
     BUILD_ARGS, assert_cache_verifies, assert_same_outputs, blob_file, build_dir, forget, killed_by_hook,
-    kill_when, one_error_line, orphan_blob_files, sha, stage_running_for, stamp, start_export,
+    kill_when, one_error_line, orphan_blob_files, sha, stage_running_for, stamp, start_export, tmpfs,
 )
 from conftest import Project, assert_ok, new_project
 
@@ -293,15 +293,8 @@ def test_damaged_blob_is_detected_dropped_and_rebuilt(built_tiny, tiny_copy, dam
 @pytest.fixture
 def small_disk(tmp_path, built_tiny):
     """A tmpfs a little larger than the built cache (needs root and permission to mount)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
     size = sum(p.stat().st_size for p in built_tiny.cache.rglob("*") if p.is_file()) + (4 << 20)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    yield from tmpfs(tmp_path / "disk", size)
 
 
 @pytest.mark.slow

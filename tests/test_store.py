@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from _faults import BUILD_ARGS, assert_same_outputs
+from _faults import BUILD_ARGS, assert_same_outputs, tmpfs
 from conftest import REPO, assert_ok
 from test_remote import server  # noqa: F401  (a real redis-server on loopback, for the remote tier)
 from cudabuild.engine import remote
@@ -154,13 +154,7 @@ def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 2 MiB tmpfs (needs root and permission to mount)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2048k", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    yield from tmpfs(tmp_path / "disk", 2 << 20)
 
 
 def test_reads_of_an_open_store_on_a_disk_that_filled_up_fail_in_one_line_and_lose_nothing(tiny_disk):

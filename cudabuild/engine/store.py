@@ -73,15 +73,13 @@ class Store:
     def __init__(self, root: os.PathLike | str | None = None):
         self.root = Path(root) if root is not None else default_root()
         self.root.mkdir(parents=True, exist_ok=True)
-        try:
+        with self._refused("opening it"):  # SQLite writes on open: a full disk fails here
             self.cache = diskcache.Cache(
                 str(self.root / "store"),
                 size_limit=_NEVER_CULL,
                 eviction_policy="least-recently-used",
                 timeout=60,
             )
-        except (OSError, sqlite3.Error) as e:  # SQLite writes on open: a full disk fails here
-            raise CacheUnwritable(_unwritable(self.root, "opening it", e)) from e
         self.hasher = FileHasher(self.cache)
         # The shared tier behind this one (cudabuild.engine.remote.RedisTier); None means local only.
         self.remote = remote_from_env()
@@ -96,25 +94,27 @@ class Store:
         # make it readable and the build failed on every retry.
         return diskcache_rows.readable(self.cache, "blob:" + sha)
 
-    def _set(self, key: str, value, what: str, read: bool = False) -> None:
-        """diskcache's set, with a failed write reported as one line that names the cache.
-
-        A write cut short (a full disk, a read-only mount) leaves no entry behind: diskcache writes
-        the file before the row and SQLite rolls the row back, so the store stays consistent and a
-        later build with room stores the entry again.
-        """
+    @contextlib.contextmanager
+    def _refused(self, doing: str) -> Iterator[None]:
+        """A write the cache's disk or SQLite refuses (a full disk, a read-only mount), reported as
+        one line that names the cache and what was being done."""
         try:
-            self.cache.set(key, value, read=read)
+            yield
         except (OSError, sqlite3.Error) as e:
-            raise CacheUnwritable(_unwritable(self.root, f"storing {what}", e)) from e
+            raise CacheUnwritable(_unwritable(self.root, doing, e)) from e
+
+    def _set(self, key: str, value, what: str, read: bool = False) -> None:
+        """diskcache's set. A write cut short leaves no entry behind: diskcache writes the file
+        before the row and SQLite rolls the row back, so the store stays consistent and a later
+        build with room stores the entry again."""
+        with self._refused(f"storing {what}"):
+            self.cache.set(key, value, read=read)
 
     def _get(self, key: str, what: str, **options):
-        """diskcache's get, its failure reported as _set's is: with the LRU policy a read is a write
-        too (it updates the entry's access time), which a full disk refuses."""
-        try:
+        """diskcache's get. With the LRU policy a read is a write too (it updates the entry's
+        access time), which a full disk refuses."""
+        with self._refused(f"reading {what}"):
             return self.cache.get(key, **options)
-        except (OSError, sqlite3.Error) as e:
-            raise CacheUnwritable(_unwritable(self.root, f"reading {what}", e)) from e
 
     def put_file(self, path: os.PathLike | str, sha: Optional[str] = None) -> str:
         """Store a file's bytes under their sha256 (once: an existing blob is not rewritten)."""
@@ -267,7 +267,7 @@ class Store:
     # -- small JSON documents (recipe descriptions, logs) ---------------------------------------
 
     def get_json(self, name: str) -> Optional[dict]:
-        raw = self._get("doc:" + name, f"the {name.partition(':')[0]} document")
+        raw = self._get("doc:" + name, _doc_what(name))
         if raw is not None:
             return json.loads(raw)
         if self.remote is None or not name.startswith(SHARED_DOCS):
@@ -278,11 +278,11 @@ class Store:
         value = (record or {}).get("value")
         if not isinstance(value, dict):
             return None
-        self._set("doc:" + name, json.dumps(value, sort_keys=True), f"the {name.partition(':')[0]} document")
+        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
         return value
 
     def put_json(self, name: str, value: dict) -> None:
-        self._set("doc:" + name, json.dumps(value, sort_keys=True), f"the {name.partition(':')[0]} document")
+        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
         if self.remote is not None and self.remote.writable and name.startswith(SHARED_DOCS):
             self.remote.put_record(_doc_key(name), _doc_record(name, value))
 
@@ -418,6 +418,10 @@ class Store:
 
     def close(self) -> None:
         self.cache.close()
+
+
+def _doc_what(name: str) -> str:
+    return f"the {name.partition(':')[0]} document"  # "recipe:<digest>" -> "the recipe document"
 
 
 def _doc_key(name: str) -> str:
