@@ -6,8 +6,9 @@ by side in one run (issue: real checkpoints at real size). Not in CI: it writes 
 The checkpoint is synthetic (bench/synthetic_checkpoint.py: the project's own writer, one shard per
 layer; 4 layers are 8.6 GB of bf16). Each case is a whole `doit export model=qwen_moe target=cpu
 checkpoint=...` process in a throwaway copy of the project, with its own cache; its peak RSS is
-the process's own high-water mark (wait4's ru_maxrss), its peak anonymous memory is sampled from
-/proc (what cannot be given back to the page cache).
+the largest process's high-water mark (wait4's ru_maxrss), and the resident and anonymous memory
+(what cannot be given back to the page cache) of all its processes together (stages side by side
+run in doit's workers) is sampled from /proc.
 
   cold     empty cache: peak RSS against the checkpoint's bytes (goal <= 1.5x)
   noop     the same again (goal < 2 s: stat fingerprints, nothing re-read)
@@ -43,17 +44,42 @@ GB = 1e9
 CASES = ("touch", "method", "restore", "edit", "shard")
 
 
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants (doit's worker processes, under `doit -n N`)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
 def peak_anon_sampler(pid: int, out: dict) -> threading.Thread:
-    """Sample the process's anonymous RSS (RssAnon) every 0.2 s into out["anon"] (bytes, max)."""
+    """Every 0.2 s, sum over the process and its workers: anonymous RSS (RssAnon) into out["anon"]
+    and resident memory (VmRSS) into out["tree_rss"] (bytes, max). Stages side by side are in
+    several processes, and wait4's high-water mark is that of the largest one alone."""
     def sample():
-        path = f"/proc/{pid}/status"
         while True:
-            try:
-                with open(path) as f:
-                    for line in f:
-                        if line.startswith("RssAnon:"):
-                            out["anon"] = max(out.get("anon", 0), int(line.split()[1]) * 1024)
-            except (FileNotFoundError, ProcessLookupError):
+            pids = _tree(pid)
+            out["anon"] = max(out.get("anon", 0), sum(_status_kb(p, "RssAnon:") for p in pids))
+            out["tree_rss"] = max(out.get("tree_rss", 0), sum(_status_kb(p, "VmRSS:") for p in pids))
+            if not _status_kb(pid, "VmRSS:"):  # exited (a zombie has no resident memory)
                 return
             time.sleep(0.2)
 
@@ -78,7 +104,7 @@ def run(cmd: list[str], cwd: Path, env: dict) -> dict:
     if rc != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed (rc {rc}):\n{text[-3000:]}")
     return {"seconds": round(seconds, 2), "peak_rss": usage.ru_maxrss * 1024, "peak_anon": memory.get("anon", 0),
-            "log": text}
+            "tree_rss": memory.get("tree_rss", 0), "log": text}
 
 
 def statuses(project: Path) -> dict[str, str]:
@@ -146,7 +172,7 @@ def main() -> None:
 
         def case(name: str, cmd=None, note: str = "") -> dict:
             r = run(cmd or doit, project, env)
-            entry = {k: r[k] for k in ("seconds", "peak_rss", "peak_anon")}
+            entry = {k: r[k] for k in ("seconds", "peak_rss", "peak_anon", "tree_rss")}
             if (out_dir / "manifest.json").exists():
                 entry["statuses"] = statuses(project)
                 manifest = json.loads((out_dir / "manifest.json").read_text())
@@ -155,6 +181,7 @@ def main() -> None:
             results[name] = entry
             ran = sorted(s for s, v in entry.get("statuses", {}).items() if v == "ran")
             print(f"{name:<8} {r['seconds']:8.2f} s  peak RSS {r['peak_rss'] / GB:6.2f} GB ({r['peak_rss'] / weights:.2f}x)"
+                  f"  all processes {r['tree_rss'] / GB:6.2f} GB ({r['tree_rss'] / weights:.2f}x)"
                   f"  anon {r['peak_anon'] / GB:6.2f} GB ({r['peak_anon'] / weights:.2f}x)  ran: {', '.join(ran) or 'nothing'} {note}",
                   flush=True)
             entry["log_tail"] = r["log"][-1500:]

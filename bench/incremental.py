@@ -3,7 +3,9 @@
     python bench/incremental.py [--model tiny_lm] [--target cpu] [--repeat 1]
 
 (a) the plain ExecuTorch-style script (bench/baseline_lower.py: export + lower, no cache),
-(b) cudabuild cold (empty cache), (c) no-op, (d) restore after deleting build/ and .doit.db,
+(b) cudabuild cold (empty cache), with its default workers (the two methods' stages side by side,
+one worker per core: cudabuild.engine.workers), (b1) cold with one stage at a time (`doit -n 1`,
+its own empty cache and inductor cache: the overhead of the stages themselves), (c) no-op, (d) restore after deleting build/ and .doit.db,
 (e) a comment edit in the recipe (export reruns, early cutoff stops the rest), (f) a one-method
 spec change (decode.emulate_precision_casts=OFF: decode's compile, package and decode's verify).
 Each case is a whole process, timed from outside; the project is a throwaway copy, the cache a
@@ -46,10 +48,16 @@ def one_round(model: str, target: str) -> dict[str, float]:
         env = dict(os.environ, CUDABUILD_CACHE_DIR=str(work / "cache"), CUDABUILD_PROJECT=str(project),
                    CUDABUILD_INDUCTOR_DIR=str(work / "inductor-cudabuild"))
         env.pop("CUDABUILD_REMOTE", None)
+        env.pop("CUDABUILD_JOBS", None)  # (b) is the default
         doit = [sys.executable, "-m", "doit", "export", f"model={model}", f"target={target}"]
         times = {}
         baseline_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(work / "inductor-baseline"))
         times["a_baseline"] = timed([sys.executable, "bench/baseline_lower.py", model, target, str(work / "baseline")], project, baseline_env)
+        one_env = dict(env, CUDABUILD_CACHE_DIR=str(work / "cache-one"), CUDABUILD_INDUCTOR_DIR=str(work / "inductor-one"))
+        one_project = work / "project-one"
+        shutil.copytree(project, one_project)
+        times["b1_cold_one_worker"] = timed(doit[:3] + ["-n", "1"] + doit[3:], one_project,
+                                            dict(one_env, CUDABUILD_PROJECT=str(one_project)))
         times["b_cold"] = timed(doit, project, env)
         times["c_noop"] = timed(doit, project, env)
         shutil.rmtree(project / "build")
@@ -75,9 +83,10 @@ def main() -> None:
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"{args.model}/{args.target}, median of {len(rounds)} round(s), seconds per whole process:")
     for name, value in median.items():
-        print(f"  {name:<16}{value:8.2f}")
+        print(f"  {name:<20}{value:8.2f}")
     print(f"  ratio (a)/(c) baseline / no-op     {median['a_baseline'] / median['c_noop']:8.1f}x")
     print(f"  ratio (b)/(a) cold / baseline      {median['b_cold'] / median['a_baseline']:8.2f}")
+    print(f"  ratio (b1)/(a) one worker / base.  {median['b1_cold_one_worker'] / median['a_baseline']:8.2f}")
     print(f"  ratio (a)/(d) baseline / restore   {median['a_baseline'] / median['d_restore']:8.1f}x")
     print(f"  ratio (a)/(e) baseline / edit      {median['a_baseline'] / median['e_comment_edit']:8.1f}x")
     print(f"  ratio (a)/(f) baseline / one spec  {median['a_baseline'] / median['f_method_spec']:8.1f}x")

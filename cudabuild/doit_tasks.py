@@ -24,7 +24,7 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from cudabuild.engine import console, nightly, reporter, trace
+from cudabuild.engine import console, nightly, reporter, trace, workers
 from cudabuild.config import load_config
 from cudabuild.errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines, one_line
 from cudabuild.engine.files import atomic_write_text
@@ -90,12 +90,25 @@ def recover_doit_db(argv: list[str] | None = None) -> None:
           "the stamps and the cache still know every build", file=sys.stderr)
 
 
+def _default_workers() -> int:
+    try:
+        return workers.default_workers()
+    except CudabuildError as e:
+        fail_fast(e)
+
+
+# doit's worker processes for a run (cudabuild.engine.workers): the default, unless the command
+# line says `-n N`. Every stage's admission to run beside others is judged with the real count.
+DEFAULT_WORKERS = _default_workers()
+WORKERS = workers.requested_workers(sys.argv[1:], DEFAULT_WORKERS)
+
+
 def make_runner(cli: dict[str, str]) -> Runner:
     store = Store()
     config = load_config(project_root(), cli, store)
     if config.target_note:
         print(config.target_note, file=sys.stderr)
-    return Runner(config, store, RUN_ID, capture_output=not console.streaming())
+    return Runner(config, store, RUN_ID, capture_output=not console.streaming(), workers=WORKERS)
 
 
 def _stage_action(runner: Runner, stage):
@@ -213,7 +226,7 @@ def task_nightly():
             if config.target_note and config.target_note not in notes:
                 notes.add(config.target_note)
                 print(config.target_note, file=sys.stderr)
-            runner = Runner(config, store, RUN_ID, capture_output=not console.streaming())
+            runner = Runner(config, store, RUN_ID, capture_output=not console.streaming(), workers=WORKERS)
             builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 
     for build, (runner, _) in builds.items():
@@ -257,6 +270,8 @@ def task_nightly():
 
 DOIT_CONFIG = {
     "default_tasks": ["export"],
+    # 0 is doit's in-process runner: one stage at a time without a worker process.
+    "num_process": DEFAULT_WORKERS if DEFAULT_WORKERS > 1 else 0,
     "reporter": CudabuildReporter,
     "verbosity": 2,
 }

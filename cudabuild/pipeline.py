@@ -4,6 +4,10 @@
            │                                      └─> verify[m]
            └──────────────(toolchain)─────────────┘
 
+The two methods' chains run side by side under `doit -n N` (the default: one per core); a row's
+`runs_alone` says when a stage must have the machine to itself, and `device` which accelerator it
+must have to itself (cudabuild.engine.workers).
+
 Each row says whether the stage runs per method, what it consumes, which of its key inputs are
 upstream digests, what else enters its key (`params`), and its version (bump it when the stage's
 implementation changes what it produces). The stage's code is the module the row names, with
@@ -69,22 +73,35 @@ def _verify(ctx: KeyContext) -> dict:
     return {"tolerances": dict(ctx.config.description.get("tolerances", {})), "toolchain": _toolchain(ctx, "torch")}
 
 
+def _compile_alone(config, method) -> str | None:
+    if config.target == "cpu" and config.specs[method].get("max_autotune") == "ON":
+        return "it tunes kernels by timing them on the CPU, which a stage beside it would skew"
+    return None
+
+
+def _accelerator(config, method) -> str | None:
+    """Compile (tuning, and the move to the device) and verify use the target's device."""
+    return config.target if config.target != "cpu" else None
+
+
 PIPELINE = Pipeline(
     [
         StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
                   predict_value=toolchain.predict_probe_value),
         StageKind("export", version=3, per_method=True, module=STAGES + "export", consumes=("probe",),
-                  params=_export),
+                  params=_export, memory_from_upstream=False),
         StageKind("edge", version=4, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
                   results={"graph": "export[m]"}, params=_edge, explains_graph=True),
         StageKind("compile", version=1, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
-                  results={"graph": "edge[m]"}, params=_compile, explains_graph=True),
+                  results={"graph": "edge[m]"}, params=_compile, explains_graph=True, runs_alone=_compile_alone,
+                  device=_accelerator),
         StageKind("package", version=3, per_method=False, module=STAGES + "package",
                   consumes=("probe", "export[*]", "compile[*]"), results={"graph": "export[*]", "compiled": "compile[*]"},
                   params=_package, final_outputs=True),
         StageKind("verify", version=2, per_method=True, module=STAGES + "verify",
                   consumes=("probe", "export[m]", "edge[m]", "compile[m]", "package"),
-                  results={"graph": "export[m]", "compiled": "compile[m]"}, params=_verify),
+                  results={"graph": "export[m]", "compiled": "compile[m]"}, params=_verify,
+                  device=_accelerator),
     ],
     fingerprint=toolchain.cheap_fingerprint,
     content_digests={".safetensors": safetensors_parts.tensor_digests},

@@ -37,7 +37,12 @@ class Project:
         # inductor dir) must not reach a test's build; tests that want one pass it in `extra`.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "CUDABUILD_", "AOT_INDUCTOR_"))}
-        env.update(CUDABUILD_CACHE_DIR=str(self.cache), CUDABUILD_PROJECT=str(self.root), PYTHONUNBUFFERED="1")
+        # One stage at a time unless a test asks for more (CUDABUILD_JOBS=N): up to 4 tests build
+        # at once on 2 cores, and a build's second worker would import torch and ExecuTorch again.
+        # The run's shared tiny build (_build_tiny) uses two workers: the default path of a
+        # 2-core machine, under every test that reads it.
+        env.update(CUDABUILD_CACHE_DIR=str(self.cache), CUDABUILD_PROJECT=str(self.root), PYTHONUNBUFFERED="1",
+                   CUDABUILD_JOBS="1")
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
@@ -150,14 +155,15 @@ def shared_build(name: str, tmp_path_factory, make) -> Project:
 
 def _build_tiny(folder: Path) -> Project:
     proj = new_project(folder)
-    result = proj.export("model=tiny_lm", "target=cpu")
+    result = proj.export("model=tiny_lm", "target=cpu", env=proj.env(CUDABUILD_JOBS=2))
     assert_ok(result)
     (folder / "export.out").write_text(json.dumps({"stdout": result.stdout, "stderr": result.stderr}))
     return proj
 
 
 def tiny_build(tmp_path_factory) -> Project:
-    """The run's one real `doit export model=tiny_lm target=cpu` (read-only: copy it to change it)."""
+    """The run's one real `doit export model=tiny_lm target=cpu`, its stages run by two workers
+    (read-only: copy it to change it)."""
     return shared_build("built_tiny", tmp_path_factory, _build_tiny)
 
 

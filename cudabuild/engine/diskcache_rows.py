@@ -46,6 +46,17 @@ def entries(cache: diskcache.Cache, prefix: str) -> list[Entry]:
     return [Entry(*row) for row in rows]
 
 
+def sizes(cache: diskcache.Cache, keys: list[str]) -> dict[str, int]:
+    """{key: bytes} of the rows among `keys` that exist; uses no entry."""
+    found: dict[str, int] = {}
+    for start in range(0, len(keys), 500):  # SQLite's bound on parameters per statement
+        batch = keys[start:start + 500]
+        marks = ",".join("?" * len(batch))
+        rows = cache._sql(f"SELECT key, {_BYTES} FROM Cache WHERE raw = 1 AND key IN ({marks})", batch).fetchall()
+        found.update(rows)
+    return found
+
+
 def usage(cache: diskcache.Cache) -> dict[str, tuple[int, int]]:
     """{key prefix (the part before the first ':'): (rows, bytes)}."""
     rows = cache._sql(

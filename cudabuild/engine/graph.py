@@ -105,6 +105,14 @@ class StageKind:
     explains_graph: bool = False
     # What explain predicts a stage's value will be before it runs (probe's: the toolchain).
     predict_value: Optional[Callable[[Optional[dict], dict], dict]] = None
+    # (config, method) -> why the stage must have the machine to itself (it times kernels on the
+    # CPU), or None; and the accelerator it uses, which one stage at a time may use, or None
+    # (see cudabuild.engine.workers).
+    runs_alone: Optional[Callable[[BuildConfig, Optional[str]], Optional[str]]] = None
+    device: Optional[Callable[[BuildConfig, Optional[str]], Optional[str]]] = None
+    # Whether the stage's peak memory scales with its upstream outputs' bytes. Export's does not:
+    # it scales with the model it builds, which only a checkpoint's size or its last run tells.
+    memory_from_upstream: bool = True
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:

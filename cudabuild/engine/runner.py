@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import cache_admin, console, memory, trace
+from cudabuild.engine import cache_admin, console, memory, trace, workers
 from cudabuild.config import BuildConfig
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
@@ -139,6 +139,8 @@ class Runner:
     # Third-party output of a stage that runs goes to its log (cudabuild.engine.console), unless streamed.
     capture_output: bool = True
     logs: dict = field(default_factory=dict)  # stage id -> the log this process's run of it wrote
+    # How many stages this build runs at once (doit's worker processes): see cudabuild.engine.workers.
+    workers: int = 1
     _fingerprint: Optional[dict] = None
     _recorder: Optional[trace.Recorder] = None
     _started_in: int = field(default_factory=os.getpid)
@@ -341,20 +343,24 @@ class Runner:
         return status
 
     def _run(self, stage: Stage, key: str, inputs: dict, why: str) -> None:
-        module = importlib.import_module(self.pipeline.row(stage).module)
-        start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
             ctx = StageContext(self.config, stage, inputs, key, Path(tmp), self, self.log)
-            with trace.phase("run"), self._output_of(stage), memory.PeakSampler() as sampled:
-                result: StageResult = module.run(ctx)
-                # Stage code leaves object graphs with reference cycles behind (fx graphs, ExecuTorch
-                # programs), and with them mapped weights or buffers of gigabytes: collect them now,
-                # so that one stage's memory is not added to the next one's. A full collection
-                # costs 0.1-0.3 s with torch loaded, so only after a stage that held much more
-                # than it started with (where /proc cannot say, always).
-                grown = sampled.grown()
-                if grown is None or grown > COLLECT_AFTER_GROWTH:
-                    gc.collect()
+            with self._output_of(stage):
+                # The stage's module, and what it imports at its top, loads before the stage waits
+                # for its turn (a worker's wait is spent importing), and prints into its log.
+                module = importlib.import_module(self.pipeline.row(stage).module)
+                with self._admitted(stage, inputs):
+                    start = time.monotonic()
+                    with trace.phase("run"), memory.PeakSampler() as sampled:
+                        result: StageResult = module.run(ctx)
+                    # Stage code leaves object graphs with reference cycles behind (fx graphs,
+                    # ExecuTorch programs), and with them mapped weights or buffers of gigabytes:
+                    # collect them now, before the next stage (here, or let in beside) adds its own.
+                    # A full collection costs 0.1-0.3 s with torch loaded, so only after a stage
+                    # that held much more than it started with (where /proc cannot say, always).
+                    grown = sampled.grown()
+                    if grown is None or grown > COLLECT_AFTER_GROWTH:
+                        gc.collect()
             with trace.phase("store writes"):
                 outputs = {name: self.store.put_file(path, result.known.get(name)) for name, path in sorted(result.files.items())}
                 outputs.update(self._stored(stage, result.stored))
@@ -375,6 +381,67 @@ class Runner:
             with trace.phase("upload"):
                 self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
         cache_admin.enforce_limit(self.store, self.config.project)
+
+    @contextlib.contextmanager
+    def _admitted(self, stage: Stage, inputs: dict):
+        """Run beside the build's other stages when they fit in memory together, else alone; and
+        with the stage's device to itself (cudabuild.engine.workers). The memory lock is always
+        taken first, so no two stages can wait on each other. One stage at a time takes none."""
+        if self.workers <= 1:
+            yield
+            return
+        row = self.pipeline.row(stage)
+        alone_because = row.runs_alone(self.config, stage.method) if row.runs_alone else None
+        device = row.device(self.config, stage.method) if row.device else None
+        estimate = self.memory_estimate(stage, inputs) if not alone_because else None
+        admission = workers.admission(self.workers, estimate, alone_because, workers.available_memory())
+        locks = self.store.root / "locks"
+        with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or ""):
+            with workers.admitted(locks / "stages", admission.alone) as waited, \
+                    (workers.admitted(locks / f"device-{device}", True) if device else contextlib.nullcontext(0.0)) as waited_device:
+                waited += waited_device
+                if waited >= 1.0:
+                    self.log(f"{stage.id}: waited {waited:.0f}s for its turn "
+                             f"({admission.why}{f'; one stage at a time on {device}' if device else ''})")
+                yield
+
+    def memory_estimate(self, stage: Stage, inputs: dict) -> Optional[int]:
+        """What the stage will hold at its peak, in bytes, or None when nothing says: the larger of
+        its inputs' bytes (upstream outputs, and the checkpoint when the stage is keyed on it) scaled
+        by workers.INPUT_FACTOR (upstream outputs only where its row says memory_from_upstream), and
+        the peak its last run measured."""
+        shas = set()
+        if self.pipeline.row(stage).memory_from_upstream:
+            for upstream in self.pipeline.dependencies(stage, self.config):
+                stamp = self.read_stamp(upstream)
+                if stamp is not None:
+                    shas.update(stamp.outputs.values())
+        read = self.store.blob_bytes(shas)
+        if inputs.get("checkpoint") and self.config.checkpoint:
+            read += sum(f.stat().st_size for f in self.config.checkpoint.rglob("*") if f.is_file())
+        from_inputs = int(read * workers.INPUT_FACTOR) + workers.PROCESS_BYTES if read else None
+        last = self._last_peak(stage)
+        from_history = int(last * workers.HISTORY_MARGIN) if last else None
+        known = [b for b in (from_inputs, from_history) if b is not None]
+        return max(known) if known else None
+
+    def _last_peak(self, stage: Stage) -> Optional[int]:
+        """The resident peak of the stage's last run: its stamp's, else that of the same stage of
+        another method (the methods of one model hold the same weights: in a first build, the
+        method exported first sizes the next), else the newest logged build of this model and
+        target that ran it."""
+        siblings = [Stage(stage.kind, m) for m in self.config.methods if stage.method and m != stage.method]
+        for candidate in [stage] + siblings:
+            stamp = self.read_stamp(candidate)
+            if stamp is not None and stamp.status == "ran" and stamp.peak_rss:
+                return int(stamp.peak_rss)
+        for entry in reversed(self.store.build_log(last=50)):
+            if (entry.get("model"), entry.get("target")) != (self.config.model, self.config.target):
+                continue
+            for row in entry.get("stages", []):
+                if (row.get("stage"), row.get("method")) == (stage.kind, stage.method) and row.get("peak_rss"):
+                    return int(row["peak_rss"])
+        return None
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))

@@ -323,6 +323,11 @@ class Store:
         """Every entry whose key starts with `prefix` ("blob:", "rec:", ...), with its size and times."""
         return diskcache_rows.entries(self.cache, prefix)
 
+    def blob_bytes(self, shas) -> int:
+        """The bytes of the distinct blobs among `shas` that this cache holds (absent ones count 0)."""
+        keys = sorted({"blob:" + sha for sha in shas})
+        return sum(diskcache_rows.sizes(self.cache, keys).values())
+
     def usage(self) -> dict[str, tuple[int, int]]:
         """{key prefix ("blob", "rec", "stat", "doc", "log"): (entries, bytes)}."""
         return diskcache_rows.usage(self.cache)

@@ -34,18 +34,25 @@ def now_us() -> float:
     return (time.perf_counter() + _CLOCK_OFFSET) * 1e6
 
 
-def process_start_us() -> float:
+def _started_us() -> float:
     """When this process started (Linux: its age since boot from /proc, to 10 ms; the boot time
-    itself is only whole seconds), else when this module was imported."""
+    itself is only whole seconds), else now."""
     try:
         started_after_boot = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
         up = float(Path("/proc/uptime").read_text().split()[0])
         return now_us() - (up - started_after_boot) * 1e6
     except (OSError, ValueError, IndexError):
-        return _IMPORTED_US
+        return now_us()
 
 
-_IMPORTED_US = now_us()
+# Read when this module is imported, which is in the build's own process (doit loads dodo.py), so
+# the doit workers forked from it (`doit -n N`) keep the build's start, not their own.
+_STARTED_US = _started_us()
+
+
+def process_start_us() -> float:
+    """When the build's process started: the process that imported this module first."""
+    return _STARTED_US
 
 
 class Recorder:

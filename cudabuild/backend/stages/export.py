@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 
+# ExecuTorch (for save_program), imported with this module: the runner imports a stage's module
+# before the stage waits for its turn (cudabuild.engine.workers), so a worker that waits spends the
+# wait on this import (7 s) instead of its turn.
+import executorch.exir.serde.serialize  # noqa: F401
+
 from cudabuild import registry
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import canonical_json

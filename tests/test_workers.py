@@ -1,0 +1,158 @@
+"""Stages side by side (cudabuild.engine.workers): how many workers a build gets, which stages are
+let in beside others and which must run alone, the lock that enforces it, and that a build whose
+stages ran in two workers is the build one worker makes (the run's shared tiny build uses two)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import assert_ok
+
+from cudabuild.engine import workers
+from cudabuild.engine.graph import Stage
+from cudabuild.errors import InvalidOption
+from cudabuild.pipeline import PIPELINE
+
+GiB = 1 << 30
+
+
+def test_the_worker_count_comes_from_the_command_line_then_the_environment_then_the_cores():
+    assert workers.requested_workers(["-n", "3", "export"], 2) == 3
+    assert workers.requested_workers(["-n4", "export"], 2) == 4
+    assert workers.requested_workers(["--process=5", "export"], 2) == 5
+    assert workers.requested_workers(["export", "model=tiny_lm"], 2) == 2
+    assert workers.requested_workers(["-n", "0", "export"], 2) == 1
+    assert workers.default_workers({"CUDABUILD_JOBS": "3"}) == 3
+    assert workers.default_workers({}) == max(1, min(workers.usable_cores(), workers.MAX_DEFAULT_WORKERS))
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(InvalidOption, match=f"CUDABUILD_JOBS={bad}: expected a whole number"):
+            workers.default_workers({"CUDABUILD_JOBS": bad})
+
+
+def test_a_bad_jobs_setting_stops_the_build_in_one_line_before_anything_runs(project):
+    result = project.export("model=tiny_lm", "target=cpu", env=project.env(CUDABUILD_JOBS="many"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "cudabuild: error: CUDABUILD_JOBS=many: expected a whole number of stages to run at once, 1 or more"]
+    assert not (project.root / "build").exists()
+
+
+def test_stages_run_beside_others_only_when_that_many_of_them_fit_in_memory():
+    fits = workers.admission(2, 1 * GiB, None, 20 * GiB)
+    assert not fits.alone and "fits 2 times" in fits.why
+    # A 9 GB checkpoint's stage, twice, is more than 80% of 20 GiB: alone.
+    assert workers.admission(2, 9 * GiB, None, 20 * GiB).alone
+    assert workers.admission(4, 5 * GiB, None, 20 * GiB).alone
+    assert not workers.admission(2, 5 * GiB, None, 20 * GiB).alone
+    unknown = workers.admission(2, None, None, 20 * GiB)
+    assert unknown.alone and "not known" in unknown.why
+    assert workers.admission(2, 1 * GiB, "it uses the GPU", 20 * GiB).alone
+    assert workers.admission(2, 1 * GiB, None, None).alone
+    assert not workers.admission(1, None, "it uses the GPU", None).alone  # one worker: nothing beside it
+
+
+def test_cpu_compiles_that_tune_run_alone_and_device_stages_take_the_device_one_at_a_time():
+    compile_row, verify_row = PIPELINE.rows["compile"], PIPELINE.rows["verify"]
+
+    def config(target, **specs):
+        return SimpleNamespace(target=target, specs={"decode": specs})
+
+    assert compile_row.runs_alone(config("cpu", max_autotune="OFF"), "decode") is None
+    assert "timing" in compile_row.runs_alone(config("cpu", max_autotune="ON"), "decode")
+    # On cuda, tuning times kernels on the GPU: the device lock keeps other compiles and verifies
+    # off it, while export and edge (host work) go on beside.
+    assert compile_row.runs_alone(config("cuda", max_autotune="ON"), "decode") is None
+    assert compile_row.device(config("cuda"), "decode") == verify_row.device(config("cuda"), "decode") == "cuda"
+    assert compile_row.device(config("cpu"), "decode") is None and verify_row.device(config("cpu"), "decode") is None
+    assert PIPELINE.rows["edge"].device is None and PIPELINE.rows["export"].device is None
+    assert PIPELINE.rows["edge"].runs_alone is None and not PIPELINE.rows["export"].memory_from_upstream
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from cudabuild.engine import workers
+    with workers.admitted(Path(sys.argv[1]), alone=sys.argv[2] == "alone"):
+        print("held", flush=True)
+        sys.stdin.readline()
+""")
+
+
+def _try(lock, mode) -> bool:
+    with open(lock, "a+") as handle:
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_the_admission_lock_lets_shared_stages_in_together_and_an_alone_stage_in_by_itself(tmp_path, alone):
+    lock = tmp_path / "locks" / "stages"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), "alone" if alone else "beside"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _try(lock, fcntl.LOCK_SH) is (not alone)  # another stage beside it: only if it is not alone
+        assert _try(lock, fcntl.LOCK_EX) is False  # a stage that must be alone waits either way
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert _try(lock, fcntl.LOCK_EX)
+
+
+def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_peak(tiny_copy):
+    from cudabuild.config import load_config
+    from cudabuild.engine.runner import Runner
+    from cudabuild.engine.store import Store
+
+    store = Store(tiny_copy.cache)
+    config = load_config(tiny_copy.root, {"model": "tiny_lm", "target": "cpu"}, store)
+    runner = Runner(config, store, "test", workers=2)
+    edge = Stage("edge", "decode")
+    upstream = [sha for s in (Stage("probe"), Stage("export", "decode")) for sha in runner.read_stamp(s).outputs.values()]
+    export_bytes = store.blob_bytes(upstream)
+    last_peak = runner.read_stamp(edge).peak_rss
+    assert export_bytes > 0 and last_peak > 0
+    assert runner.memory_estimate(edge, runner.inputs(edge)) == max(
+        int(export_bytes * workers.INPUT_FACTOR) + workers.PROCESS_BYTES, int(last_peak * workers.HISTORY_MARGIN))
+    # Export's memory is its model's, not its upstream's: without a last run nothing sizes it ...
+    export = Stage("export", "prefill")
+    for method in config.methods:
+        (tiny_copy.build_dir / ".stamps" / f"export.{method}.json").unlink()
+    store.cache.clear()  # ... the build log included
+    assert runner.memory_estimate(export, runner.inputs(export)) is None
+
+
+def test_a_build_run_by_two_workers_is_the_build_one_worker_makes(tiny_copy, tmp_path):
+    events = json.loads((tiny_copy.build_dir / "trace.json").read_text())["traceEvents"]
+    runs = {e["name"]: e for e in events if e["cat"] == "stage" and e["args"].get("step") == "execute"}
+    assert len({runs[s]["pid"] for s in runs if s != "probe"}) == 2  # two worker processes ran stages
+    decode, prefill = runs["compile.decode"], runs["compile.prefill"]
+    overlap = min(decode["ts"] + decode["dur"], prefill["ts"] + prefill["dur"]) - max(decode["ts"], prefill["ts"])
+    assert overlap > 0, "the two methods' compiles did not run side by side"
+    admitted = [e for e in events if e["name"] == "admitted"]
+    assert admitted and all(not e["args"]["alone"] for e in admitted
+                            if runs["compile.decode"]["ts"] <= e["ts"] <= decode["ts"] + decode["dur"])
+    outputs = {name: (tiny_copy.build_dir / name).read_bytes() for name in ("model.pte", "aoti_cpu_blob.ptd")}
+
+    # One worker computes the same key for every stage: all cached ...
+    again = tiny_copy.export("model=tiny_lm", "target=cpu")
+    assert_ok(again)
+    assert set(tiny_copy.statuses().values()) == {"cached"}
+    # ... and, with build/ gone, restores every one of them from what the two workers stored.
+    shutil.rmtree(tiny_copy.root / "build")
+    for db in tiny_copy.root.glob(".doit.db*"):
+        db.unlink()
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    assert set(tiny_copy.statuses().values()) == {"restored"}
+    assert {name: (tiny_copy.build_dir / name).read_bytes() for name in outputs} == outputs
