@@ -48,10 +48,10 @@ def test_a_bad_jobs_setting_stops_the_build_in_one_line_before_anything_runs(pro
 def test_stages_run_beside_others_only_when_that_many_of_them_fit_in_memory():
     fits = workers.admission(2, 1 * GiB, None, 20 * GiB)
     assert not fits.alone and "fits 2 times" in fits.why
-    # A 9 GB checkpoint's stage, twice, is more than 80% of 20 GiB: alone.
-    assert workers.admission(2, 9 * GiB, None, 20 * GiB).alone
-    assert workers.admission(4, 5 * GiB, None, 20 * GiB).alone
-    assert not workers.admission(2, 5 * GiB, None, 20 * GiB).alone
+    # A 3.7 GB checkpoint's stage (1.5 x 3.7 + 1 GiB), twice, is more than half of 20 GiB: alone.
+    assert workers.admission(2, int(6.6 * GiB), None, 20 * GiB).alone
+    assert workers.admission(4, 3 * GiB, None, 20 * GiB).alone
+    assert not workers.admission(2, 4 * GiB, None, 20 * GiB).alone
     unknown = workers.admission(2, None, None, 20 * GiB)
     assert unknown.alone and "not known" in unknown.why
     assert workers.admission(2, 1 * GiB, "it uses the GPU", 20 * GiB).alone

@@ -7,7 +7,7 @@ $CUDABUILD_JOBS; `doit -n N` says it outright and `-n 1` builds one stage at a t
 
 Memory is what parallel stages can run out of: a real checkpoint's stage holds about its weights'
 size. So every stage that runs holds an admission lock (one flock per cache, so concurrent builds
-on one machine count too): shared when at most `workers` stages of its size fit in the memory
+on one machine count too): shared when `workers` stages of its size fit in half the memory
 available now, exclusive otherwise, or when its size is unknown, or when its pipeline row says it
 must run alone (a stage that times kernels on the CPU). Shared holders exclude an exclusive one
 and the other way round, so stages that run side by side were each judged to fit `workers` times
@@ -36,9 +36,11 @@ INPUT_FACTOR = 1.5
 PROCESS_BYTES = 1 << 30
 # A stage's last measured peak is taken with this margin (the sampler can miss a short spike).
 HISTORY_MARGIN = 1.25
-# Of the memory available, what stages side by side may plan to use (the rest is page cache and
-# everything else on the machine).
-USABLE_FRACTION = 0.8
+# Of the memory available, what stages side by side may plan to use together. Half: what a
+# process keeps after its stage (Python's heap, a worker's imports) is not in the estimates, and
+# a checkpoint of a third of the machine's memory is better built one stage at a time (its
+# stages' peaks at 1.3x its size, and its pages in the page cache, would not fit twice).
+USABLE_FRACTION = 0.5
 
 
 def usable_cores() -> int:

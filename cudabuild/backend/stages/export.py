@@ -65,4 +65,8 @@ def run(ctx) -> StageResult:
     metadata = dict(recipe.constant_methods(model)) if recipe.constant_methods else {}
     result.files["metadata.json"] = ctx.workdir / "metadata.json"
     result.files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))
+    if ctx.runner.workers > 1:
+        # The next method's export may run in another worker, and an idle worker's model would
+        # count against no stage's admission (cudabuild.engine.workers): let it go now.
+        release_model()
     return result
