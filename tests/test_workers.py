@@ -156,3 +156,25 @@ def test_a_build_run_by_two_workers_is_the_build_one_worker_makes(tiny_copy, tmp
     assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
     assert set(tiny_copy.statuses().values()) == {"restored"}
     assert {name: (tiny_copy.build_dir / name).read_bytes() for name in outputs} == outputs
+
+
+def test_a_build_for_a_device_defaults_to_one_worker_and_a_cpu_build_to_one_per_core(project):
+    from cudabuild.doit_tasks import _builds_for_a_device
+
+    assert _builds_for_a_device({"target": "cuda"}) and not _builds_for_a_device({"target": "cpu"})
+    assert not _builds_for_a_device({"target": "tpu"})  # left to the build's own one-line error
+    # What doit is handed: DOIT_CONFIG's worker processes once doit has loaded dodo.py with the
+    # command line's target (0 is doit's in-process runner).
+    for target, expected in (("cuda", 0), ("cpu", workers.default_workers({}))):
+        result = project.run("-c", LOADED_CONFIG, "list", "model=tiny_lm", f"target={target}", CUDABUILD_JOBS="")
+        processes = int(result.stdout.strip().splitlines()[-1])
+        assert processes == (expected if expected > 1 else 0), (target, result.stdout)
+
+
+LOADED_CONFIG = textwrap.dedent("""
+    import sys
+    from doit.doit_cmd import DoitMain
+    DoitMain().run(sys.argv[1:])
+    import cudabuild.doit_tasks as tasks
+    print(tasks.DOIT_CONFIG["num_process"])
+""")
