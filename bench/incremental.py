@@ -53,11 +53,11 @@ def one_round(model: str, target: str) -> dict[str, float]:
         times = {}
         baseline_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(work / "inductor-baseline"))
         times["a_baseline"] = timed([sys.executable, "bench/baseline_lower.py", model, target, str(work / "baseline")], project, baseline_env)
-        one_env = dict(env, CUDABUILD_CACHE_DIR=str(work / "cache-one"), CUDABUILD_INDUCTOR_DIR=str(work / "inductor-one"))
         one_project = work / "project-one"
         shutil.copytree(project, one_project)
-        times["b1_cold_one_worker"] = timed(doit[:3] + ["-n", "1"] + doit[3:], one_project,
-                                            dict(one_env, CUDABUILD_PROJECT=str(one_project)))
+        one_env = dict(env, CUDABUILD_CACHE_DIR=str(work / "cache-one"), CUDABUILD_INDUCTOR_DIR=str(work / "inductor-one"),
+                       CUDABUILD_PROJECT=str(one_project))
+        times["b1_cold_one_worker"] = timed(doit[:3] + ["-n", "1"] + doit[3:], one_project, one_env)
         times["b_cold"] = timed(doit, project, env)
         times["c_noop"] = timed(doit, project, env)
         shutil.rmtree(project / "build")

@@ -57,6 +57,22 @@ def fail_fast(error: CudabuildError) -> None:
     sys.exit(2)
 
 
+def doit_option(argv: list[str], *names: str) -> str | None:
+    """What the command line gives one of doit's options, by any of its `names`: `--name V`,
+    `--name=V`, and for a one-letter `-n` also `-nV` (the last one given wins; "" for a name with
+    nothing after it), or None. dodo.py needs some before doit has parsed them."""
+    found = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name:
+                found = argv[i + 1] if i + 1 < len(argv) else ""
+            elif name.startswith("--") and arg.startswith(name + "="):
+                found = arg[len(name) + 1:]
+            elif len(name) == 2 and arg.startswith(name) and not arg.startswith("--") and len(arg) > 2:
+                found = arg[2:]
+    return found
+
+
 def recover_doit_db(argv: list[str] | None = None) -> None:
     """Remove doit's database when it cannot be read, so the build goes on from the stamps and the store.
 
@@ -65,13 +81,9 @@ def recover_doit_db(argv: list[str] | None = None) -> None:
     once). It only remembers what the stamps and the store already know, so losing it costs nothing.
     """
     argv = sys.argv[1:] if argv is None else argv
-    options = {}
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if name in ("--db-file", "--backend"):
-            options[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    path = options.get("--db-file") or ".doit.db"
-    if options.get("--backend", "dbm") != "dbm":
+    path = doit_option(argv, "--db-file") or ".doit.db"
+    backend = doit_option(argv, "--backend")
+    if (backend if backend is not None else "dbm") != "dbm":
         return
     files = [f for f in [path] + [path + s for s in (".dat", ".dir", ".bak", ".db", ".pag")] if os.path.exists(f)]
     if not files:
@@ -112,10 +124,17 @@ def _builds_for_a_device(cli: dict[str, str]) -> bool:
         return False
 
 
+def workers_from_argv(argv: list[str], default: int) -> int:
+    """The worker count doit runs with: `-n N` (`--process N`), else `default`; doit's 0 (no worker
+    processes) is one stage at a time, as 1 is."""
+    given = doit_option(argv, "-n", "--process")
+    return max(1, int(given)) if given and given.isdigit() else default
+
+
 # doit's worker processes for a run (cudabuild.engine.workers): the default, unless the command
 # line says `-n N`. Every stage's admission to run beside others is judged with the real count.
 DEFAULT_WORKERS = _default_workers()
-WORKERS = workers.requested_workers(sys.argv[1:], DEFAULT_WORKERS)
+WORKERS = workers_from_argv(sys.argv[1:], DEFAULT_WORKERS)
 
 
 def make_runner(cli: dict[str, str]) -> Runner:

@@ -25,11 +25,13 @@ GiB = 1 << 30
 
 
 def test_the_worker_count_comes_from_the_command_line_then_the_environment_then_the_cores():
-    assert workers.requested_workers(["-n", "3", "export"], 2) == 3
-    assert workers.requested_workers(["-n4", "export"], 2) == 4
-    assert workers.requested_workers(["--process=5", "export"], 2) == 5
-    assert workers.requested_workers(["export", "model=tiny_lm"], 2) == 2
-    assert workers.requested_workers(["-n", "0", "export"], 2) == 1
+    from cudabuild.doit_tasks import workers_from_argv
+
+    assert workers_from_argv(["-n", "3", "export"], 2) == 3
+    assert workers_from_argv(["-n4", "export"], 2) == 4
+    assert workers_from_argv(["--process=5", "export"], 2) == 5
+    assert workers_from_argv(["export", "model=tiny_lm"], 2) == 2
+    assert workers_from_argv(["-n", "0", "export"], 2) == 1
     assert workers.default_workers({"CUDABUILD_JOBS": "3"}) == 3
     assert workers.default_workers({}) == max(1, min(workers.usable_cores(), workers.MAX_DEFAULT_WORKERS))
     for bad in ("0", "two", "-1"):

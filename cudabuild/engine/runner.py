@@ -241,13 +241,15 @@ class Runner:
         seconds = stamp and (stamp.seconds if stamp.status == "ran" else stamp.saved_seconds)
         if seconds:
             return float(seconds)
+        row = next((r for r in self._logged_rows(stage) if r.get("status") == "ran"), None)
+        return (float(row.get("seconds") or 0.0) or None) if row else None
+
+    def _logged_rows(self, stage: Stage):
+        """The stage's rows in the logged builds of this model and target, newest first."""
         for entry in reversed(self.store.build_log(last=50)):
-            if (entry.get("model"), entry.get("target")) != (self.config.model, self.config.target):
-                continue
-            for row in entry.get("stages", []):
-                if (row.get("stage"), row.get("method"), row.get("status")) == (stage.kind, stage.method, "ran"):
-                    return float(row.get("seconds") or 0.0) or None
-        return None
+            if (entry.get("model"), entry.get("target")) == (self.config.model, self.config.target):
+                yield from (row for row in entry.get("stages", [])
+                            if (row.get("stage"), row.get("method")) == (stage.kind, stage.method))
 
     def log_path(self, stage: Stage) -> Path:
         return self.config.build_dir / "logs" / f"{stage.id}.log"
@@ -396,14 +398,15 @@ class Runner:
         estimate = self.memory_estimate(stage, inputs) if not alone_because else None
         admission = workers.admission(self.workers, estimate, alone_because, workers.available_memory())
         locks = self.store.root / "locks"
-        with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or ""):
-            with workers.admitted(locks / "stages", admission.alone) as waited, \
-                    (workers.admitted(locks / f"device-{device}", True) if device else contextlib.nullcontext(0.0)) as waited_device:
-                waited += waited_device
-                if waited >= 1.0:
-                    self.log(f"{stage.id}: waited {waited:.0f}s for its turn "
-                             f"({admission.why}{f'; one stage at a time on {device}' if device else ''})")
-                yield
+        with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or ""), \
+                contextlib.ExitStack() as held:
+            waited = held.enter_context(workers.admitted(locks / "stages", admission.alone))
+            if device:
+                waited += held.enter_context(workers.admitted(locks / f"device-{device}", True))
+            if waited >= 1.0:
+                self.log(f"{stage.id}: waited {waited:.0f}s for its turn "
+                         f"({admission.why}{f'; one stage at a time on {device}' if device else ''})")
+            yield
 
     def memory_estimate(self, stage: Stage, inputs: dict) -> Optional[int]:
         """What the stage will hold at its peak, in bytes, or None when nothing says: the larger of
@@ -435,13 +438,7 @@ class Runner:
             stamp = self.read_stamp(candidate)
             if stamp is not None and stamp.status == "ran" and stamp.peak_rss:
                 return int(stamp.peak_rss)
-        for entry in reversed(self.store.build_log(last=50)):
-            if (entry.get("model"), entry.get("target")) != (self.config.model, self.config.target):
-                continue
-            for row in entry.get("stages", []):
-                if (row.get("stage"), row.get("method")) == (stage.kind, stage.method) and row.get("peak_rss"):
-                    return int(row["peak_rss"])
-        return None
+        return next((int(row["peak_rss"]) for row in self._logged_rows(stage) if row.get("peak_rss")), None)
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))

@@ -3,7 +3,8 @@
 The two methods of a recipe are independent chains (export -> edge -> compile), and one stage
 mostly keeps one core busy (a C++ compile is one gcc), so `doit export` runs stages in up to
 `default_workers()` processes: one per usable core, at most MAX_DEFAULT_WORKERS, or
-$CUDABUILD_JOBS; `doit -n N` says it outright and `-n 1` builds one stage at a time.
+$CUDABUILD_JOBS; `doit -n N` says it outright (cudabuild.doit_tasks reads it for the admission
+below) and `-n 1` builds one stage at a time.
 
 Memory is what parallel stages can run out of: a real checkpoint's stage holds about its weights'
 size. So every stage that runs holds an admission lock (one flock per cache, so concurrent builds
@@ -24,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 from cudabuild.errors import InvalidOption
 
@@ -59,22 +60,6 @@ def default_workers(environ: Optional[dict] = None) -> int:
             raise InvalidOption(f"{JOBS_ENV}={value}: expected a whole number of stages to run at once, 1 or more")
         return int(value)
     return max(1, min(usable_cores(), MAX_DEFAULT_WORKERS))
-
-
-def requested_workers(argv: Sequence[str], default: int) -> int:
-    """The worker count doit runs with: `-n N`, `-nN`, `--process N` or `--process=N`, else `default`."""
-    count = default
-    for i, arg in enumerate(argv):
-        value = None
-        if arg in ("-n", "--process") and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith("--process="):
-            value = arg.split("=", 1)[1]
-        elif arg.startswith("-n") and len(arg) > 2 and not arg.startswith("--"):
-            value = arg[2:]
-        if value is not None and value.isdigit():
-            count = int(value)
-    return max(1, count)  # doit reads 0 as "no worker processes": one stage at a time
 
 
 def available_memory() -> Optional[int]:
