@@ -95,13 +95,15 @@ def load_config(project: Path, cli: Mapping[str, str], store) -> BuildConfig:
     `resolve` runs only on settings without problems.
     """
     model = cli.get("model") or DEFAULT_MODEL
-    description = registry.describe(project, model, store)
     problems: list[str] = []
     try:
         target, note = resolve_target(cli.get("target") or "auto")
     except UnknownTarget as e:
         target, note = None, None
         problems.append(str(e))
+    # The recipe's form for the target (its options and methods); an unknown target's problem is
+    # reported with the others, against the cpu form's options.
+    description = registry.describe(project, model, store, target or "cpu")
 
     overrides: dict[str, str] = {}
     defaults = description["options"]

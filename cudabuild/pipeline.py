@@ -1,8 +1,11 @@
 """The CUDA lowering pipeline as data: the table of stage kinds the engine builds.
 
-    probe ─┬─> export[m] ─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
-           │                                      └─> verify[m]
-           └──────────────(toolchain)─────────────┘
+    probe ─┬─> [quantize] ─> export[m] ─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
+           │                                                    └─> verify[m]
+           └────────────────────────(toolchain)─────────────────┘
+
+`quantize` is in a build only when the recipe's form for the target declares one (ExecuTorch's
+Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports.
 
 The two methods' chains run side by side under `doit -n N` (the default: one per core); a row's
 `runs_alone` says when a stage must have the machine to itself, and `device` which accelerator it
@@ -37,6 +40,33 @@ def _probe(ctx: KeyContext) -> dict:
     return {"fingerprint": ctx.fingerprint()}
 
 
+def _quantize(ctx: KeyContext) -> dict:
+    """What decides the prepared weights: the quantization options, the weights' content (the
+    checkpoint's or bundle's tensors; a seeded model's options are among the options), the code
+    that prepares them, and the toolchain. Nothing about methods, export or compile."""
+    config = ctx.config
+    declared = config.description["quantize"]
+    sources = config.description["sources"]
+    folders = {name: ctx.checkpoint_digest(config.options[name]) if config.options.get(name) else None
+               for name in declared["folders"]}
+    return {
+        "model": config.model,
+        "options": {name: config.options[name] for name in declared["options"]},
+        **folders,
+        "sources": {path: sources[path] for path in declared["sources"]},
+        "toolchain": _toolchain(ctx, "torch", "executorch", "torchao"),
+    }
+
+
+def _quantizes(config) -> bool:
+    return bool(config.description.get("quantize"))
+
+
+def _quantize_device(config, method) -> str | None:
+    declared = config.description.get("quantize") or {}
+    return config.target if declared.get("on_device") and config.target != "cpu" else None
+
+
 def _export(ctx: KeyContext) -> dict:
     config = ctx.config
     return {
@@ -45,12 +75,21 @@ def _export(ctx: KeyContext) -> dict:
         "options": dict(config.options),
         "checkpoint": ctx.checkpoint_digest(),
         "toolchain": _toolchain(ctx, "torch"),
+        **({"strict": True} if config.description.get("strict_export") else {}),
     }
+
+
+def _lowering(config, *fields: str) -> dict:
+    """The recipe's own lowering settings (cudabuild.recipe.Lowering) that the stage reads; none
+    when the recipe keeps ExecuTorch's defaults, so such a recipe's keys are what they always were."""
+    lowering = config.description.get("lowering")
+    return {"lowering": {f: lowering[f] for f in fields}} if lowering else {}
 
 
 def _edge(ctx: KeyContext) -> dict:
     return {"specs": specs_for_stage(ctx.config.specs[ctx.method], "edge"),
-            "toolchain": _toolchain(ctx, "torch", "executorch", "triton")}
+            "toolchain": _toolchain(ctx, "torch", "executorch", "triton"),
+            **_lowering(ctx.config, "skip_dim_order")}
 
 
 def _compile(ctx: KeyContext) -> dict:
@@ -66,11 +105,15 @@ def _compile(ctx: KeyContext) -> dict:
 def _package(ctx: KeyContext) -> dict:
     # Every spec is serialized into the .pte, so all of them key the package.
     return {"methods": {m: {"specs": dict(ctx.config.specs[m])} for m in ctx.config.methods},
-            "toolchain": _toolchain(ctx, "torch", "executorch")}
+            "toolchain": _toolchain(ctx, "torch", "executorch"),
+            **_lowering(ctx.config, "extract_delegate_segments", "do_quant_fusion_and_const_prop",
+                        "alloc_graph_input", "emit_mutable_buffer_names")}
 
 
 def _verify(ctx: KeyContext) -> dict:
-    return {"tolerances": dict(ctx.config.description.get("tolerances", {})), "toolchain": _toolchain(ctx, "torch")}
+    sampler = (ctx.config.description.get("samplers") or {}).get(ctx.method)
+    return {"tolerances": dict(ctx.config.description.get("tolerances", {})), "toolchain": _toolchain(ctx, "torch"),
+            **({"sampler": sampler} if sampler else {})}
 
 
 def _compile_alone(config, method) -> str | None:
@@ -88,8 +131,10 @@ PIPELINE = Pipeline(
     [
         StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
                   predict_value=toolchain.predict_probe_value),
-        StageKind("export", version=3, per_method=True, module=STAGES + "export", consumes=("probe",),
-                  params=_export, memory_from_upstream=False),
+        StageKind("quantize", version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
+                  params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False),
+        StageKind("export", version=3, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
+                  results={"weights": "quantize"}, params=_export, memory_from_upstream=False),
         StageKind("edge", version=4, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
                   results={"graph": "export[m]"}, params=_edge, explains_graph=True),
         StageKind("compile", version=1, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),

@@ -21,7 +21,7 @@ from cudabuild.errors import RecipeError, UnknownModel
 from cudabuild.engine.hashing import FileHasher, digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
-DESCRIPTION_VERSION = 2
+DESCRIPTION_VERSION = 3
 
 
 def recipes_dir(project: Path) -> Path:
@@ -75,7 +75,11 @@ def _imports_of(path: Path, project: Path) -> list[Path]:
 
 def source_files(project: Path, model: str) -> list[Path]:
     """The recipe file and the project modules it imports, transitively (static analysis)."""
-    start = recipe_path(project, model)
+    return module_closure(project, recipe_path(project, model))
+
+
+def module_closure(project: Path, start: Path) -> list[Path]:
+    """`start` and the project modules it imports, transitively (static analysis)."""
     seen: dict[Path, None] = {}
     todo = [start]
     while todo:
@@ -130,16 +134,18 @@ def _where(error: BaseException, path: Path, rel: Path) -> str:
     return f"{rel}:{line}" if line else str(rel)
 
 
-def describe(project: Path, model: str, store) -> dict:
-    """What the recipe declares, as JSON data; memoised in the store by source content."""
+def describe(project: Path, model: str, store, target: str) -> dict:
+    """What the recipe declares for `target` (its form for that target), as JSON data; memoised in
+    the store by source content."""
     sources = source_digests(project, model, store.hasher)
-    memo_key = f"recipe:{model}:" + digest({"v": DESCRIPTION_VERSION, "sources": sources})
+    memo_key = f"recipe:{model}:" + digest({"v": DESCRIPTION_VERSION, "sources": sources, "target": target})
     cached = store.get_json(memo_key)
     if cached is not None:
         return cached
-    recipe = load_recipe(project, model)
+    recipe = load_recipe(project, model).for_target(target)
     description = {
         "model": model,
+        "target": target,
         "sources": sources,
         "methods": [m.name for m in recipe.methods],
         "options": dict(recipe.options),
@@ -148,9 +154,29 @@ def describe(project: Path, model: str, store) -> dict:
         "specs": {t: dict(v) for t, v in recipe.specs.items()},
         "method_specs": {m.name: {t: dict(v) for t, v in m.specs.items()} for m in recipe.methods},
         "tolerances": dict(recipe.tolerances),
+        "quantize": _quantize_description(project, recipe.quantize),
+        "samplers": {m.name: {"temperature_input": m.sampler.temperature_input,
+                              "greedy_temperature": m.sampler.greedy_temperature}
+                     for m in recipe.methods if m.sampler is not None},
+        "strict_export": recipe.strict_export,
+        "lowering": recipe.lowering.as_data() if recipe.lowering else None,
     }
     store.put_json(memo_key, description)
     return description
+
+
+def _quantize_description(project: Path, quantize) -> Optional[dict]:
+    """The quantize stage's declaration as data: the options and folders that key it, and the
+    sources of the module that defines it (the only code its key follows)."""
+    if quantize is None:
+        return None
+    # Found by module name among the project's files, as the recipe's own sources are.
+    path = _module_file(project, quantize.run.__module__)
+    if path is None:
+        raise RecipeError(f"the quantize step of a recipe must be defined in a module of the project, "
+                          f"not {quantize.run.__module__}")
+    return {"options": list(quantize.options), "folders": list(quantize.folders), "on_device": quantize.on_device,
+            "sources": [str(p.relative_to(project)) for p in module_closure(project, path)]}
 
 
 def resolve_options(project: Path, description: dict, options: dict, store) -> dict:
@@ -162,11 +188,11 @@ def resolve_options(project: Path, description: dict, options: dict, store) -> d
     checkpoint = options.get("checkpoint")
     config = Path(str(checkpoint)).expanduser() / "config.json" if checkpoint else None
     memo_key = f"options:{model}:" + digest({
-        "v": DESCRIPTION_VERSION, "sources": description["sources"], "options": options,
+        "v": DESCRIPTION_VERSION, "sources": description["sources"], "target": description["target"], "options": options,
         "config": store.hasher(config) if config is not None and config.is_file() else None,
     })
     resolved = store.get_json(memo_key)
     if resolved is None:
-        resolved = dict(load_recipe(project, model).resolve(dict(options)))
+        resolved = dict(load_recipe(project, model).for_target(description["target"]).resolve(dict(options)))
         store.put_json(memo_key, resolved)
     return {name: resolved[name] for name in options}  # in the order given, memo or not

@@ -24,6 +24,9 @@ class SpecKey:
     cuda: Optional[str]
     stages: tuple[str, ...]  # stages whose result depends on it (package always does)
     doc: str
+    # Whether the .pte carries it as one of the delegate's compile specs (the CUDA backend's own
+    # keys); inductor settings cudabuild applies around the compile are keyed, not serialized.
+    serialized: bool = True
 
 
 SPEC_TABLE: dict[str, SpecKey] = {
@@ -35,18 +38,27 @@ SPEC_TABLE: dict[str, SpecKey] = {
     "autotune_pointwise": SpecKey(ON_OFF, None, None, ("compile",), "tune pointwise kernels too"),
     "platform": SpecKey(("linux", "windows"), "linux", "linux", ("compile",), "platform the .so is built for"),
     "shim_library_path": SpecKey(None, None, None, ("compile",), "folder of aoti_cuda_shims (windows only)"),
+    "compile_wrapper_opt_level": SpecKey(("O0", "O1", "O2", "O3", "Os"), None, None, ("compile",),
+                                         "the C++ compiler's -O for the generated wrapper (unset: inductor's O1)",
+                                         serialized=False),
+    "coordinate_descent_tuning": SpecKey(ON_OFF, None, None, ("compile",),
+                                         "inductor's coordinate-descent tuning of Triton kernel configs", serialized=False),
 }
 
 TARGETS = ("cpu", "cuda")
 
 
 def normalize(key: str, value: str) -> str:
+    """The value as the table spells it (values are case-insensitive: on, On and ON are ON)."""
     spec = SPEC_TABLE[key]
-    if spec.allowed == ON_OFF:
-        return str(value).upper()
     if spec.allowed is not None:
-        return str(value).lower()
+        return next((a for a in spec.allowed if a.lower() == str(value).lower()), str(value))
     return str(value)
+
+
+def serialized(specs: Mapping[str, str]) -> dict[str, str]:
+    """The specs a .pte carries as its delegate's compile specs."""
+    return {k: v for k, v in specs.items() if SPEC_TABLE[k].serialized}
 
 
 def _problems(key: str, value: str, target: str, where: str) -> list[str]:
@@ -120,11 +132,10 @@ def _target_rules(specs: Mapping[str, str], target: str) -> list[str]:
         found.append("triton_kernel_mode=ON needs target=cuda ({where}): ExecuTorch's Triton kernels take CUDA tensors only")
     if target == "cpu" and specs.get("platform") == "windows":
         found.append("platform=windows needs target=cuda ({where})")
-    if target == "cuda" and specs.get("max_autotune") == "OFF":
-        # Without autotuning inductor has no Triton choice for a GEMM or a convolution and calls
-        # ATen's (mm_out, bmm_out, convolution: measured on the H200), which the runtime lacks.
-        found.append("max_autotune=OFF is not supported on target=cuda ({where}): inductor would call ATen "
-                     "GEMM and convolution kernels, which ExecuTorch's CUDA runtime does not provide")
+    # max_autotune=OFF on cuda is judged by the program, not here: without autotuning inductor
+    # calls ATen for a GEMM or a convolution, which the runtime lacks, but a program whose matmuls
+    # are int4 or Triton ops has none (ExecuTorch's Qwen3.5-MoE). The compile's fallback check
+    # refuses it where it finds one, naming it (cudabuild.backend.fallbacks).
     if "shim_library_path" in specs and specs.get("platform") != "windows":
         found.append("shim_library_path is for platform=windows only ({where})")
     return found

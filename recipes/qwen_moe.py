@@ -1,8 +1,24 @@
-"""qwen_moe: a Qwen3.5-MoE-style hybrid decoder (gated delta rule + GQA, 256-expert MoE) in plain PyTorch.
+"""qwen_moe: Qwen3.5-MoE (gated delta rule + GQA, 256-expert MoE), in two forms of one model.
 
     doit export model=qwen_moe                                         # size=tiny, random weights
     doit export model=qwen_moe size=35b-a3b layers=4 target=cuda       # real shapes, first 4 layers
     doit export model=qwen_moe checkpoint=/models/Qwen3.5-35B-A3B target=cuda
+    doit export model=qwen_moe prequantized=/models/qwen35_moe_quantized target=cuda
+
+On cuda the model is ExecuTorch's own Qwen3.5-MoE (cudabuild/models/qwen35_moe.py): quantized
+once by the quantize stage (int4 experts for ExecuTorch's fused MoE kernel, torchao int4 linears),
+on ExecuTorch's Triton kernels, exported as its exporter does (`decode` and `prefill`, each
+`(tokens, input_pos, temperature) -> sampled token [1, 1]`), the artifact its runner runs.
+Options there, with the stock exporter's defaults: `size` (tiny = its --tiny-test config, seeded;
+35b-a3b), `layers`, `seed`, `checkpoint`, `prequantized` (a bundle of its quantize_and_save.py),
+`max_seq_len`, `qlinear` (4w, 8w, 8da4w), `qlinear_group_size`, `qembedding` (8w), `hqq`,
+`dense_prefill` (tinygemm, dequant), `moe_activation_dtype` (bf16, int8), `splitk`.
+
+On the CPU, where ExecuTorch's Triton kernels cannot run, it is the same architecture in plain
+PyTorch (cudabuild/models/qwen_moe.py), with the options below. The two are one model: both read
+a Hugging Face Qwen3.5-MoE checkpoint by its own names (checked against transformers for the CPU
+form, tests/test_qwen_moe_hf.py), and tests/test_qwen35_moe.py loads one checkpoint into both
+and checks that the CPU form computes the CUDA form's logits (GPU: tests/gpu).
 
 Options: `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b: bf16,
 random weights from seed 0); `layers` > 0 keeps only the first layers; `checkpoint` loads a Hugging
@@ -22,8 +38,8 @@ from dataclasses import replace
 import torch
 
 from cudabuild.errors import InvalidOption
-from cudabuild.models import checkpoint, qwen_moe, qwen_moe_hf
-from cudabuild.recipe import Method, Recipe
+from cudabuild.models import checkpoint, qwen35_moe, qwen35_moe_quantize, qwen_moe, qwen_moe_hf
+from cudabuild.recipe import Lowering, Method, Quantize, Recipe, Sampler
 
 # A checkpoint's own context (262144 for Qwen3.5) would size a KV cache and a prefill graph far
 # beyond what a build needs; ask for more with max_seq_len=N.
@@ -100,6 +116,33 @@ def metadata(model):
     }
 
 
+# ExecuTorch's Qwen3.5-MoE on its CUDA backend, as its export.py builds it.
+CUDA = Recipe(
+    build=None,
+    quantize=Quantize(run=qwen35_moe_quantize.quantize, load=qwen35_moe.load,
+                      options=qwen35_moe.QUANTIZE_OPTIONS, folders=qwen35_moe.QUANTIZE_FOLDERS),
+    methods=(
+        Method("decode", inputs=qwen35_moe.decode_inputs, prepare=qwen35_moe.prepare_decode,
+               verify_steps=qwen35_moe.decode_steps, sampler=Sampler(temperature_input=2)),
+        Method("prefill", inputs=qwen35_moe.prefill_inputs, dynamic_shapes=qwen35_moe.prefill_shapes,
+               prepare=qwen35_moe.prepare_prefill, verify_steps=qwen35_moe.prefill_steps,
+               sampler=Sampler(temperature_input=2)),
+    ),
+    options=qwen35_moe.OPTIONS,
+    choices=qwen35_moe.CHOICES,
+    resolve=qwen35_moe.resolve,
+    specs={
+        # The stock exporter's: its int4 and Triton ops leave no ATen GEMM, so no autotuning; the
+        # C++ wrapper at -O0 (it only launches kernels); no coordinate-descent tuning.
+        "cuda": {"emulate_precision_casts": "OFF", "max_autotune": "OFF", "autotune_at_compile_time": "OFF",
+                 "autotune_pointwise": "OFF", "compile_wrapper_opt_level": "O0", "coordinate_descent_tuning": "OFF"},
+    },
+    constant_methods=qwen35_moe.metadata,
+    strict_export=True,
+    lowering=Lowering(skip_dim_order=True, do_quant_fusion_and_const_prop=True, alloc_graph_input=False,
+                      emit_mutable_buffer_names=True),
+)
+
 RECIPE = Recipe(
     build=build,
     methods=(
@@ -109,9 +152,7 @@ RECIPE = Recipe(
     options={"size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0},
     choices={"size": tuple(qwen_moe.SIZES)},
     resolve=resolve,
-    specs={
-        "cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"},
-        "cuda": {"triton_kernel_mode": "OFF", "low_memory_mode": "ON"},
-    },
+    specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
     constant_methods=metadata,
+    targets={"cuda": CUDA},
 )

@@ -26,10 +26,10 @@ def test_the_model_modules_a_recipe_imports_are_its_sources(project, model, modu
 def test_editing_a_model_module_changes_the_described_sources(project, model, edited):
     store = Store(project.cache)
     try:
-        before = registry.describe(project.root, model, store)["sources"]
+        before = registry.describe(project.root, model, store, "cpu")["sources"]
         path = project.root / edited
         path.write_text(path.read_text() + "\n# an edit\n")
-        after = registry.describe(project.root, model, store)["sources"]
+        after = registry.describe(project.root, model, store, "cpu")["sources"]
     finally:
         store.close()
     assert {name for name in before if before[name] != after[name]} == {edited}

@@ -17,6 +17,7 @@ _BOOL_SPECS = {
     "max_autotune": "max_autotune",
     "autotune_at_compile_time": "triton.autotune_at_compile_time",
     "autotune_pointwise": "triton.autotune_pointwise",
+    "coordinate_descent_tuning": "coordinate_descent_tuning",
 }
 
 
@@ -32,6 +33,10 @@ def aoti_options(specs: Mapping[str, str], target: str, toolchain: Mapping[str, 
     for spec, option in _BOOL_SPECS.items():
         if spec in specs:
             options[option] = specs[spec] == "ON"
+    if "compile_wrapper_opt_level" in specs:
+        # The wrapper only launches kernels: ExecuTorch's Qwen3.5-MoE exporter measured -O0 about
+        # 8x faster to compile than the default -O1, with no runtime cost.
+        options["aot_inductor.compile_wrapper_opt_level"] = specs["compile_wrapper_opt_level"]
     if target == "cuda":
         options["max_autotune_gemm_backends"] = "TRITON"
         options["max_autotune_conv_backends"] = "TRITON"

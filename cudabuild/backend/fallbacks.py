@@ -56,9 +56,27 @@ def unsupported_on_cuda(kernels: set[str]) -> list[str]:
     return sorted(k for k in kernels if k not in CUDA_SUPPORTED)
 
 
-def check_cuda_fallbacks(method: str, kernels: set[str]) -> None:
-    """Raise CompileFailed naming every fallback of a cuda compile that the runtime lacks."""
+# ATen's GEMM and convolution kernels, as the C shims name them: what inductor calls for a matmul
+# or a convolution when max_autotune=OFF leaves it no Triton template to generate.
+_GEMM_OR_CONV = ("mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "convolution", "_convolution", "conv")
+
+
+def is_gemm_or_conv(kernel: str) -> bool:
+    name = kernel.removeprefix("aoti_torch_cuda_").removeprefix("at::_ops::").split("::")[0]
+    return name.removesuffix("_out") in _GEMM_OR_CONV
+
+
+def check_cuda_fallbacks(method: str, kernels: set[str], max_autotune: str = "ON") -> None:
+    """Raise CompileFailed naming every fallback of a cuda compile that the runtime lacks; where
+    they are ATen GEMMs or convolutions left by max_autotune=OFF, say that this is the cause."""
     missing = unsupported_on_cuda(kernels)
+    gemms = [k for k in missing if is_gemm_or_conv(k)]
+    if gemms and max_autotune == "OFF":
+        raise CompileFailed(
+            f"method {method}: max_autotune=OFF leaves {len(gemms)} ATen GEMM/convolution kernel(s) that "
+            f"ExecuTorch's CUDA runtime lacks ({', '.join(gemms)}): with autotuning, inductor generates Triton "
+            f"code for them instead; set {method}.max_autotune=ON (or max_autotune=ON)"
+        )
     if missing:
         raise CompileFailed(
             f"method {method} needs {len(missing)} fallback kernel(s) the ExecuTorch CUDA runtime lacks: "

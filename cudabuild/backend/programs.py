@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import io
 import json
+import operator
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ class StoredWeights:
     entries: dict = field(default_factory=dict)  # storage data_ptr -> (tensor, sha256 of its file)
 
     def add(self, tensor: torch.Tensor, sha: str) -> None:
-        if tensor.numel():
+        if tensor.numel() and not _is_subclass(tensor):
             self.entries[tensor.untyped_storage().data_ptr()] = (tensor, sha)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -52,7 +53,7 @@ class StoredWeights:
 
     def sha_of(self, tensor: torch.Tensor) -> Optional[str]:
         """The stored file of exactly this tensor (same storage, view, dtype and type), or None."""
-        if not tensor.numel():
+        if not tensor.numel() or _is_subclass(tensor):
             return None
         entry = self.entries.get(tensor.untyped_storage().data_ptr())
         if entry is None:
@@ -131,7 +132,8 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> Sav
             reuse.add(tensor, shas[name])
     # serialize() would copy every weight into its own bytes; it only needs the graph, so it gets a
     # program whose state dict is empty (the weights are written above).
-    artifact = serialize(_without_state(ep))
+    with _symbolic_ops_serializable():
+        artifact = serialize(_without_state(ep))
     parts = {"program.json": artifact.exported_program, "constants.pt": artifact.constants,
              "inputs.pt": artifact.example_inputs, "weights.json": json.dumps(index, sort_keys=True).encode()}
     for name, data in parts.items():
@@ -172,7 +174,28 @@ def load_program(read: Callable[[str], Union[bytes, Path]], reuse: Optional[Stor
         sha = getattr(read, "sha", None)
         if reuse is not None and sha is not None:
             reuse.add(state[fqn], sha(name))
-    return deserialize(SerializedArtifact(data("program.json"), state, data("constants.pt"), data("inputs.pt")))
+    with _symbolic_ops_serializable():
+        return deserialize(SerializedArtifact(data("program.json"), state, data("constants.pt"), data("inputs.pt")))
+
+
+# Size arithmetic torch's own serializer writes and ExecuTorch 1.4.1's copy of it does not know: a
+# dynamic length sliced from the end (`x[..., -T:]`, as ExecuTorch's Qwen3.5-MoE prefill does)
+# leaves `operator.neg` of a size in the graph. Its inputs and output are a SymInt like the other
+# unary ops the serializer handles (sym_int, sym_sqrt), so it is serialized the same way.
+_MISSING_SYM_INT_OPS = (operator.neg,)
+
+
+@contextlib.contextmanager
+def _symbolic_ops_serializable() -> Iterator[None]:
+    from executorch.exir.serde import export_serialize
+
+    known = export_serialize._SYM_INT_OPS
+    added = [op for op in _MISSING_SYM_INT_OPS if op not in known]
+    known.update(added)
+    try:
+        yield
+    finally:
+        known.difference_update(added)
 
 
 def load_example_inputs(data: bytes) -> tuple:
@@ -249,9 +272,24 @@ def node_lines(gm: torch.fx.GraphModule) -> list[str]:
     return lines
 
 
+def _is_subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass that wraps plain tensors (torchao's quantized weights): it has no storage
+    of its own to map or share, and its bytes are those of its inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
+
+
 def tensor_digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
     h = hashlib.sha256()
+    if _is_subclass(t):
+        # Its type, what it was flattened with (block sizes, dtypes) and each inner tensor's digest.
+        names, meta = t.__tensor_flatten__()
+        h.update(f"{type(t).__module__}.{type(t).__qualname__}{t.dtype}{list(t.shape)}{_stable_repr(meta)}".encode())
+        for name in names:
+            h.update(f"{name}:{tensor_digest(getattr(t, name))}".encode())
+        return h.hexdigest()
+    t = t.detach().cpu().contiguous()
     h.update(f"{t.dtype}{list(t.shape)}".encode())
     if t.numel():
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))

@@ -20,7 +20,9 @@ import sys
 from cudabuild.engine.graph import Pending
 from cudabuild.engine.hashing import stat_signature
 
-PACKAGES = ("torch", "triton", "executorch")
+# torchao quantizes (and its tensor subclasses lower) ExecuTorch's int4 models; fla-core holds the
+# flash-linear-attention kernels ExecuTorch's chunked delta-rule op launches.
+PACKAGES = ("torch", "triton", "executorch", "torchao", "fla-core")
 
 # Variables that change what inductor/Triton/AOTI generate (cache dirs are set by cudabuild itself).
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "AOT_INDUCTOR_", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")
@@ -89,13 +91,49 @@ def probe(target: str) -> dict:
         "torch": torch.__version__,
         "triton": package_version("triton"),
         "executorch": package_version("executorch"),
+        "torchao": package_version("torchao"),
+        "fla-core": package_version("fla-core"),
         "compiler": _compiler_version(compiler_path()),
         "env": relevant_env(),
         "inductor_root": inductor_root(),
     }
     if target == "cuda":
         result["cuda"] = _probe_cuda(torch)
+    pairing = unsupported_pairing("executorch", "torch", torch.__version__)
+    if pairing:
+        from cudabuild.engine import console
+
+        console.warn(pairing)
+        result["notes"] = [pairing]
     return result
+
+
+def unsupported_pairing(package: str, requirement: str, installed: str | None) -> str | None:
+    """One line when `package` declares a range for `requirement` that the installed version is
+    outside of, else None. A failure seen only with such a pairing may come from it."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        declared = importlib.metadata.requires(package) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for line in declared:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name != requirement or req.marker is not None or not req.specifier or installed is None:
+            continue
+        try:
+            version = Version(installed)
+        except InvalidVersion:
+            return None
+        # A local build tag (+cu130) is not part of the release the range speaks of.
+        if not req.specifier.contains(Version(version.public), prereleases=True):
+            return (f"{package} {package_version(package)} declares {requirement}{req.specifier}, and this is "
+                    f"{requirement} {installed}: a failure seen only here may come from that pairing")
+    return None
 
 
 def _probe_cuda(torch) -> dict:
@@ -150,9 +188,13 @@ def python_executable() -> str:
 # Probe fields the cheap fingerprint determines exactly (probe computes them the same way).
 _EXACT = {"target": ("target",), "python": ("python",), "machine": ("machine",), "env": ("env",),
           "triton": ("packages", "triton"), "executorch": ("packages", "executorch"),
+          "torchao": ("packages", "torchao"), "fla-core": ("packages", "fla-core"),
           "inductor_root": ("inductor_root",)}
+# Fields that only some toolchains report (a note about the torch/executorch pairing): unchanged
+# when the fingerprint is, otherwise unknown.
 # Fields probe measures itself: unchanged when their fingerprint source is, otherwise unknown.
-_MEASURED = {"torch": ("packages", "torch"), "compiler": ("compiler",), "cuda": ("cuda",)}
+_MEASURED = {"torch": ("packages", "torch"), "compiler": ("compiler",), "cuda": ("cuda",),
+             "notes": ("packages",)}
 _MISSING = object()
 
 
@@ -170,6 +212,8 @@ def predict_probe_value(old_stamp_value: dict | None, old_fingerprint: dict | No
     value = {field: _at(fingerprint, path) for field, path in _EXACT.items()}
     for field, path in _MEASURED.items():
         if field == "cuda" and fingerprint.get("target") != "cuda":
+            continue
+        if field == "notes" and "notes" not in old_value:
             continue
         same = old_stamp_value is not None and field in old_value and _at(old_fp, path) == _at(fingerprint, path)
         value[field] = old_value[field] if same else Pending("probe")

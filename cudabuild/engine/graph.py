@@ -78,7 +78,9 @@ class KeyContext:
     method: Optional[str]
     read: ResultReader
     fingerprint: Callable[[], dict]
-    checkpoint_digest: Callable[[], Optional[dict]]
+    # folder -> its digest, file by file (part by part where the pipeline can split a file); with no
+    # folder, the build's checkpoint's (None when it has none).
+    checkpoint_digest: Callable[..., Optional[dict]]
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class StageKind:
     # Whether the stage's peak memory scales with its upstream outputs' bytes. Export's does not:
     # it scales with the model it builds, which only a checkpoint's size or its last run tells.
     memory_from_upstream: bool = True
+    # config -> whether the build has this stage at all (a recipe that quantizes has a quantize
+    # stage; others do not). A stage absent from a build is left out of its plan, and consumers
+    # neither wait for it nor key on it: their keys are what they were without the row.
+    applies: Optional[Callable[[BuildConfig], bool]] = None
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -155,10 +161,16 @@ class Pipeline:
     def row(self, stage: Stage) -> StageKind:
         return self.rows[stage.kind]
 
+    def applies(self, kind: str, config: BuildConfig) -> bool:
+        row = self.rows[kind]
+        return row.applies is None or bool(row.applies(config))
+
     def plan(self, config: BuildConfig) -> list[Stage]:
         """Every stage of the build, in an order that respects dependencies (the table's order)."""
         stages: list[Stage] = []
         for row in self.rows.values():
+            if not self.applies(row.kind, config):
+                continue
             stages += [Stage(row.kind, m) for m in config.methods] if row.per_method else [Stage(row.kind)]
         return stages
 
@@ -166,6 +178,8 @@ class Pipeline:
         out: list[Stage] = []
         for name in self.row(stage).consumes:
             kind, scope = _parse(name)
+            if not self.applies(kind, config):
+                continue
             if scope == "*":
                 out += [Stage(kind, m) for m in config.methods]
             else:
@@ -176,7 +190,7 @@ class Pipeline:
         return self.row(stage).final_outputs
 
     def inputs(self, stage: Stage, config: BuildConfig, read: ResultReader, fingerprint: Callable[[], dict],
-               checkpoint_digest: Callable[[], Optional[dict]]) -> dict:
+               checkpoint_digest: Callable[..., Optional[dict]]) -> dict:
         """The JSON inputs whose digest is the stage's action key."""
         row = self.row(stage)
 
@@ -189,6 +203,8 @@ class Pipeline:
             inputs["method"] = stage.method
         for field_name, name in row.results.items():
             kind, scope = _parse(name)
+            if not self.applies(kind, config):
+                continue
             if scope == "*":
                 for m in config.methods:
                     inputs.setdefault("methods", {}).setdefault(m, {})[field_name] = digest_of(kind, m)

@@ -174,8 +174,10 @@ class Runner:
             self._fingerprint = self.pipeline.cheap_fingerprint(self.config.target)
         return self._fingerprint
 
-    def checkpoint_digest(self) -> Optional[dict]:
-        folder = self.config.checkpoint
+    def checkpoint_digest(self, folder=None) -> Optional[dict]:
+        """The digest of `folder` (default: the build's checkpoint), file by file and, for files
+        the pipeline can split, part by part; None without a folder."""
+        folder = Path(folder).expanduser().resolve() if folder else self.config.checkpoint
         return self.store.hasher.tree(folder, parts=self.pipeline.content_digests) if folder else None
 
     def inputs(self, stage: Stage, read: Optional[ResultReader] = None) -> dict:

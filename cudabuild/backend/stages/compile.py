@@ -33,6 +33,7 @@ from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
 from cudabuild.engine.hashing import digest, sha256_file
 from cudabuild.backend import mapped_weights
+from cudabuild.backend import custom_ops, kernel_cache
 from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.remote import inductor_environment
@@ -45,12 +46,14 @@ def inductor_dir_for(key: str) -> Path:
     return Path(inductor_root()) / key[:20]
 
 
-def compile_environment(target: str, toolchain: dict, cache_dir: Path) -> dict[str, str]:
+def compile_environment(target: str, toolchain: dict, cache_dir: Path, store_root: Path | None = None) -> dict[str, str]:
     env = {
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "AOT_INDUCTOR_ENABLE_LINE_TABLES": "0",
         "TRITON_DISABLE_LINE_INFO": "1",
     }
+    if store_root is not None:
+        env.update(kernel_cache.environment(store_root))  # compiled Triton kernels, shared (by content)
     if target == "cuda":
         env.update((toolchain.get("cuda") or {}).get("env") or {})
     # With a read-write CUDABUILD_REMOTE=redis://..., inductor's own autotune cache shares kernel
@@ -160,6 +163,7 @@ def _compile(ctx) -> StageResult:
     device = _device_of(target)
     release_model()
     mapped = StoredWeights()
+    custom_ops.register(ctx.config.target)  # the ops its programs call
     with phase("load"):
         ep = load_program(ctx.reader("edge", method), mapped)  # weights mapped from the store, not read
     cache_dir = inductor_dir_for(ctx.key)
@@ -172,7 +176,7 @@ def _compile(ctx) -> StageResult:
         # before CUDA is initialised, hence the allocation first.
         torch.zeros(1, device="cuda")
         torch.cuda.reset_peak_memory_stats(0)
-    environment = compile_environment(target, toolchain, cache_dir)
+    environment = compile_environment(target, toolchain, cache_dir, ctx.store.root)
     options = with_custom_shims(aoti_options(specs, target, toolchain))
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
                        mapped=mapped.tensors()) as (ep, fallbacks):
@@ -181,7 +185,7 @@ def _compile(ctx) -> StageResult:
         except Exception as e:
             raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
         if target == "cuda":
-            check_cuda_fallbacks(method, fallbacks)
+            check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
         used = sorted(fallbacks)
 
     so = next((p for p in paths if p.endswith(".wrapper.so")), None)

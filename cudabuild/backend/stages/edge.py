@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from cudabuild.backend import calling_convention, delegate, op_listing
 from cudabuild.errors import CompileFailed, one_line
+from cudabuild.backend import custom_ops
 from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.backend.stages.program_result import program_result
@@ -39,8 +40,11 @@ def run(ctx) -> StageResult:
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     method = ctx.stage.method
+    # ExecuTorch's own CUDA exporters lower without dim-order ops; a recipe that follows one says so.
+    skip_dim_order = bool((ctx.config.description.get("lowering") or {}).get("skip_dim_order"))
     release_model()
     reuse = StoredWeights()  # the exported weights, mapped from the store: handed on, not copied
+    custom_ops.register(ctx.config.target)  # the ops its programs call
     with phase("load"):
         ep = load_program(ctx.reader("export", method), reuse)
     with op_listing.listed_once():  # the lowering decomposes twice, the passes once more
@@ -49,7 +53,7 @@ def run(ctx) -> StageResult:
                 lowered = to_edge_transform_and_lower(
                     {method: ep},
                     partitioner={method: [delegate.partitioner(method, {}, ctx.config.target)]},
-                    compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                    compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=skip_dim_order),
                 )
         except Exception as e:
             raise CompileFailed(f"method {method}: edge lowering failed: {one_line(e)}") from e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 # ExecuTorch (for save_program), imported with this module: the runner imports a stage's module
@@ -36,17 +37,32 @@ def release_model() -> None:
 
 def build_model(ctx):
     config = ctx.config
-    key = (config.model, canonical_json(dict(config.options)))
+    weights = ctx.inputs.get("weights")  # the quantize stage's digest, where the recipe quantizes
+    key = (config.model, config.target, canonical_json(dict(config.options)), weights)
     if key not in _MODELS:
         _MODELS.clear()  # before building: the old and the new model need not fit together
-        recipe = registry.load_recipe(config.project, config.model)
+        recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
         try:
-            _MODELS[key] = (recipe, recipe.build(dict(config.options)), StoredWeights())
+            if recipe.quantize is not None:
+                model = recipe.quantize.load(dict(config.options), _quantized_folder(ctx))
+            else:
+                model = recipe.build(dict(config.options))
+            _MODELS[key] = (recipe, model, StoredWeights())
         except CudabuildError:
             raise
         except Exception as e:
             raise ExportFailed(f"model {config.model} failed to build: {one_line(e)}") from e
     return _MODELS[key]
+
+
+def _quantized_folder(ctx):
+    """The quantize stage's outputs as one folder, by their names: links to the store's own
+    (verified, read-only) files, which the loader maps or reads."""
+    folder = ctx.workdir / "quantized"
+    folder.mkdir()
+    for name in ctx.upstream("quantize").outputs:
+        (folder / name).symlink_to(ctx.blob_path("quantize", None, name))
+    return folder
 
 
 def run(ctx) -> StageResult:
@@ -56,12 +72,20 @@ def run(ctx) -> StageResult:
         recipe, model, reuse = build_model(ctx)
     method = next(m for m in recipe.methods if m.name == ctx.stage.method)
     try:
+        if method.prepare is not None:
+            method.prepare(model, dict(ctx.config.options))
         inputs = tuple(method.inputs(model))
         shapes = method.dynamic_shapes(model) if method.dynamic_shapes else None
-        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+        # A model whose own exporter traces it strictly (TorchDynamo), under no_grad, is exported so.
+        with torch.no_grad() if recipe.strict_export else contextlib.nullcontext():
+            ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=recipe.strict_export)
     except Exception as e:
         raise ExportFailed(f"method {method.name} of {ctx.config.model} failed to export: {one_line(e)}") from e
     result = program_result(ep, ctx.workdir, reuse)
+    if method.verify_steps is not None:
+        # What verify runs, in order, on one loaded program (it has the program, not the model).
+        result.files["verify_steps.pt"] = ctx.workdir / "verify_steps.pt"
+        torch.save([tuple(step) for step in method.verify_steps(model)], result.files["verify_steps.pt"])
     metadata = dict(recipe.constant_methods(model)) if recipe.constant_methods else {}
     result.files["metadata.json"] = ctx.workdir / "metadata.json"
     result.files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))

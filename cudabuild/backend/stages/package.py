@@ -17,9 +17,11 @@ from pathlib import Path
 
 from cudabuild.backend import calling_convention, delegate, op_listing, standin
 from cudabuild.errors import CompileFailed, one_line
+from cudabuild.backend import custom_ops
 from cudabuild.backend.programs import load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.runner import StageResult
+from cudabuild.specs import serialized
 
 PTE = "model.pte"
 
@@ -31,6 +33,7 @@ def ptd_name(target: str) -> str:
 def run(ctx) -> StageResult:
     config = ctx.config
     methods = config.methods
+    custom_ops.register(ctx.config.target)  # the ops its programs call
     programs, relowered = {}, {}
     for m in methods:
         try:
@@ -45,8 +48,9 @@ def run(ctx) -> StageResult:
         sha = ctx.upstream("compile", m).outputs["weights.blob"]
         compiled[m] = delegate.Compiled(ctx.blob("compile", m, "model.so"), _read_once(ctx, m, sha, weights), sha)
     files = write_package(
-        programs, compiled, {m: dict(config.specs[m]) for m in methods}, config.target,
+        programs, compiled, {m: serialized(config.specs[m]) for m in methods}, config.target,
         json.loads(ctx.blob("export", methods[0], "metadata.json")), ctx.workdir, config.model,
+        config.description.get("lowering"),
     )
     return StageResult(files, value={"stand_in": [m for m in methods if m not in relowered], "relowered": relowered})
 
@@ -60,12 +64,14 @@ def _read_once(ctx, method: str, sha: str, read: dict) -> bytes:
 
 
 def write_package(programs: dict, compiled: dict, specs: dict, target: str, metadata: dict, workdir: Path,
-                  model: str) -> dict[str, Path]:
+                  model: str, lowering: dict | None = None) -> dict[str, Path]:
     """Lower {method: program} with each method's compiled .so and weights blob as its delegate;
-    write the .pte and .ptd into workdir and return them by name."""
+    write the .pte and .ptd into workdir and return them by name. `lowering` is the recipe's own
+    lowering settings (cudabuild.recipe.Lowering.as_data), or None for ExecuTorch's defaults."""
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     methods = list(programs)
+    lowering = lowering or {}
     partitioners = {m: [delegate.partitioner(m, specs[m], target)] for m in methods}
     pte = workdir / PTE
     try:
@@ -73,14 +79,15 @@ def write_package(programs: dict, compiled: dict, specs: dict, target: str, meta
             edge = to_edge_transform_and_lower(
                 programs,
                 partitioner=partitioners,
-                compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                 _skip_dim_order=bool(lowering.get("skip_dim_order"))),
                 constant_methods=metadata or None,
             )
             calling_convention.call_delegates_in_method_order(edge, methods)
             renamed = delegate.rename_delegates(edge, methods, target)
             if renamed != len(methods):
                 raise CompileFailed(f"packaging {model}: expected one delegate per method, found {renamed}")
-            program = edge.to_executorch()
+            program = edge.to_executorch(backend_config(lowering))
             with open(pte, "wb") as f:
                 program.write_to_file(f)
             program.write_tensor_data_to_file(str(workdir))
@@ -94,3 +101,18 @@ def write_package(programs: dict, compiled: dict, specs: dict, target: str, meta
     if ptd_name(target) not in files:
         raise CompileFailed(f"packaging {model}: ExecuTorch wrote no {ptd_name(target)}")
     return files
+
+
+def backend_config(lowering: dict):
+    """ExecuTorch's to_executorch settings: its defaults, or the recipe's where it declares them."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+
+    if not lowering:
+        return None
+    return ExecutorchBackendConfig(
+        extract_delegate_segments=lowering["extract_delegate_segments"],
+        do_quant_fusion_and_const_prop=lowering["do_quant_fusion_and_const_prop"],
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=lowering["alloc_graph_input"]),
+        emit_mutable_buffer_names=lowering["emit_mutable_buffer_names"],
+    )

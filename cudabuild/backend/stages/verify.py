@@ -15,6 +15,8 @@ import os
 
 from cudabuild.errors import VerifyFailed, one_line
 from cudabuild.backend import aoti_constants, mapped_weights
+from cudabuild.backend import custom_ops, kernel_cache
+from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
@@ -87,9 +89,13 @@ def run(ctx) -> StageResult:
     method, target = ctx.stage.method, ctx.config.target
     device = "cuda" if target == "cuda" else "cpu"
     release_model()
+    custom_ops.register(ctx.config.target)  # the ops its programs call
     with phase("load"):
         ep = load_program(ctx.reader("export", method))  # weights mapped from the store
         inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
+    sampler = (ctx.config.description.get("samplers") or {}).get(method)
+    if sampler:
+        return _verify_sampling_method(ctx, ep, device, sampler)
     expected = eager_outputs(ep, inputs, device)
     compute = compute_dtype(ep, expected)
     # The eager program's weights are unmapped before the compiled code gets its own: one copy of
@@ -130,6 +136,51 @@ def run(ctx) -> StageResult:
             f"(allowed {worst.get('allowed'):.3g}); {where}"
         )
     summary = {"max_abs_diff": max((o["max_abs_diff"] for o in report["outputs"]), default=0.0), "passed": True}
+    return StageResult({"verify.json": path}, value=summary)
+
+
+def _verify_sampling_method(ctx, ep, device: str, sampler: dict) -> StageResult:
+    """A method that draws its token inside the program: its logits and state are compared over
+    its verify steps (cudabuild.backend.sampled_logits), at the greedy temperature."""
+    import torch
+
+    from cudabuild.backend import sampled_logits
+
+    method = ctx.stage.method
+    steps = torch.load(ctx.blob_path("export", method, "verify_steps.pt"), weights_only=True)
+    buffers = sampled_logits.program_buffers(ep)
+    precision = compute_dtype(ep, [])
+    tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
+    tolerance = tolerances.get(str(precision).removeprefix("torch."), 1e-4)
+    # The eager program's Triton ops compile their kernels on first use: from the shared cache.
+    with phase("eager"), scoped_environ(kernel_cache.environment(ctx.store.root)):
+        eager, eager_states = sampled_logits.eager_steps(ep, steps, device, sampler["temperature_input"])
+    del ep
+    gc.collect()
+    so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
+    blob = ctx.blob_path("compile", method, "weights.blob")
+    with phase("compiled"):
+        runner = load_compiled(str(so), str(blob), device)
+        compiled, compiled_states = sampled_logits.compiled_steps(runner, steps, device, buffers)
+        del runner
+    report = sampled_logits.judge(eager, compiled, eager_states, compiled_states, tolerance)
+    report["computed_in"] = str(precision).removeprefix("torch.")
+    path = ctx.workdir / "verify.json"
+    path.write_text(json.dumps(report, indent=1))
+    if not report["passed"]:
+        _keep_failed_report(ctx, method, report)
+        bad = next((s for s in report["steps"] if not s["ok"]), None)
+        if bad is not None:
+            raise VerifyFailed(f"method {method}: at step {bad['step']} the compiled code chose token "
+                               f"{bad['compiled_token']}, whose eager logit is {bad['logit_gap']:.3g} below the largest "
+                               f"(token {bad['eager_argmax']}; allowed {bad['allowed']:.3g})")
+        state = next((s for s in report["states"] if not s["ok"]), None)
+        what = (f"its state {state['buffer']} differs from eager by {state['max_abs_diff']:.3g} (allowed {state['allowed']:.3g})"
+                if state else "its steps did not all run")
+        raise VerifyFailed(f"method {method}: {what}")
+    worst = max([s["logit_gap"] for s in report["steps"]] + [s["max_abs_diff"] for s in report["states"]], default=0.0)
+    summary = {"max_abs_diff": worst, "passed": True, "steps": len(report["steps"]),
+               "states_compared": report["states_compared"]}
     return StageResult({"verify.json": path}, value=summary)
 
 

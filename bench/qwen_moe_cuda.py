@@ -1,0 +1,402 @@
+"""ExecuTorch's Qwen3.5-MoE on the GPU, cudabuild against the stock exporter, every case in one run.
+
+    python bench/qwen_moe_cuda.py --out DIR [--cases cold,noop,restore,runtime,stock,parity,lowmem,memory]
+                                  [--runtime .etrt/run.sh] [--layers 1,2] [--budget 560]
+
+Cases (each a whole process; cudabuild builds in a project copy with its own cache):
+  cold      `doit export model=qwen_moe target=cuda` (size tiny), empty caches
+  noop      the same again: nothing runs
+  restore   `rm -rf build`, then the same: every stage restored from the cache
+  runtime   the package in ExecuTorch's C++ CUDA runtime (RUNTIME, ../shared/et-runtime): prefill
+            then decode in one loaded program, the state shared by name, tokens checked against
+            the eager model's logits (the same quantized weights); decode and prefill timed with
+            --warmup/--repeat, with and without --cuda-graph, beside eager PyTorch
+  stock     ExecuTorch's own exporter (`export.py --tiny-test --qlinear 4w`) with low_memory_mode
+            OFF (ON, as shipped, crashes on this torch), its inductor and Triton caches empty
+  parity    the two .pte files side by side: methods, their inputs and outputs, the constant
+            methods (metadata), delegates and what lies outside them, file sizes
+  lowmem    the cold build with low_memory_mode=ON (quantize, exports and edges come from the cache)
+  memory    `size=35b-a3b layers=N` for each N of --layers, low_memory_mode OFF then ON: the peak GPU
+            memory of each method's compile (to the compile stages only), the slope per layer and
+            its extrapolation to 40 layers; --runtime-35b adds the runtime case at the first N
+Cases are skipped once the time budget would be exceeded. Results go to OUT/qwen_moe_cuda.json,
+logs of every case to OUT/logs.tar.gz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ESTIMATE = {"cold": 240, "noop": 10, "restore": 15, "runtime": 60, "stock": 200, "parity": 20, "lowmem": 150,
+            "memory": 300}
+MODEL, TARGET = "qwen_moe", "cuda"
+
+
+class Bench:
+    def __init__(self, out: Path, budget: float):
+        self.out, self.budget, self.start = out, budget, time.monotonic()
+        self.work = Path(tempfile.mkdtemp(prefix="qwen-moe-bench-"))
+        self.logs = self.work / "logs"
+        self.logs.mkdir()
+        self.results: dict = {"cases": {}}
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.start)
+
+    def save(self) -> None:
+        (self.out / "qwen_moe_cuda.json").write_text(json.dumps(self.results, indent=1, default=str))
+        with tarfile.open(self.out / "logs.tar.gz", "w:gz") as tar:
+            tar.add(self.logs, arcname="logs")
+
+    def project(self, name: str) -> Path:
+        root = self.work / name
+        if not root.exists():
+            root.mkdir()
+            shutil.copy(ROOT / "dodo.py", root)
+            for folder in ("cudabuild", "recipes", "bench"):
+                shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        return root
+
+    def run(self, name: str, cmd: list[str], cwd: Path, env: dict | None = None, timeout: float | None = None) -> dict:
+        env = dict(os.environ, **(env or {}))
+        t0, wall = time.monotonic(), time.time()
+        try:
+            done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=timeout or max(self.left(), 30))
+            rc, stdout, stderr = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, stdout, stderr = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), \
+                (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        entry = {"seconds": round(time.monotonic() - t0, 2), "rc": rc}
+        (self.logs / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{stdout[-40000:]}\n--- stderr ---\n{stderr[-40000:]}")
+        build = cwd / "build" / MODEL / TARGET
+        for log in (build / "logs").glob("*.log") if build.exists() else []:
+            if log.stat().st_mtime >= wall:
+                (self.logs / name).mkdir(exist_ok=True)
+                shutil.copy(log, self.logs / name / log.name)
+        for extra in ("trace.json", "manifest.json"):
+            if (build / extra).exists() and (build / extra).stat().st_mtime >= wall:
+                shutil.copy(build / extra, self.logs / f"{name}-{extra}")
+        for failed in build.glob("verify-*.failed.json") if build.exists() else []:
+            if failed.stat().st_mtime >= wall:
+                entry.setdefault("verify_failed", {})[failed.name] = json.loads(failed.read_text())
+        entry["stdout_tail"], entry["stderr_tail"] = stdout[-1500:], stderr[-1500:]
+        print(f"{name:<24}{entry['seconds']:8.1f}s rc={rc}", flush=True)
+        return entry
+
+    def build(self, name: str, project: Path, cache: Path, *settings: str, tasks=("export",)) -> dict:
+        cmd = [sys.executable, "-m", "doit", *tasks, f"model={MODEL}", f"target={TARGET}", *settings]
+        env = {"CUDABUILD_CACHE_DIR": str(cache), "CUDABUILD_PROJECT": str(project),
+               "PYTHONPATH": f"{project}:{os.environ.get('PYTHONPATH', '')}"}
+        entry = self.run(name, cmd, project, env)
+        build = project / "build" / MODEL / TARGET
+        stamps = {p.stem: json.loads(p.read_text()) for p in (build / ".stamps").glob("*.json")} if build.exists() else {}
+        entry["stages"] = {stage: {"status": s.get("status"), "seconds": s.get("seconds"), "run": s.get("run"),
+                                   "value": _small(s.get("value"))} for stage, s in sorted(stamps.items())}
+        manifest = build / "manifest.json"
+        if manifest.exists() and manifest.stat().st_mtime >= time.time() - entry["seconds"] - 1:
+            data = json.loads(manifest.read_text())
+            entry["statuses"] = {f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]: s["status"] for s in data["stages"]}
+            entry["verify"] = data.get("verify")
+            entry["outputs"] = data.get("outputs")
+        return entry
+
+
+def _small(value):
+    if isinstance(value, dict):
+        return {k: _small(v) for k, v in value.items() if k not in ("fallback_kernels",)}
+    return value
+
+
+# -- the stock exporter ---------------------------------------------------------------------------
+
+def stock_exporter(low_memory: bool) -> Path:
+    """ExecuTorch's export.py, copied, with low_memory_mode as asked (it is ON in the file)."""
+    import executorch.examples.models.qwen3_5_moe.export as stock
+
+    text = Path(stock.__file__).read_text()
+    value = b"ON" if low_memory else b"OFF"
+    patched = text.replace('CompileSpec("low_memory_mode", b"ON")', f'CompileSpec("low_memory_mode", {value!r})')
+    path = Path(tempfile.mkdtemp(prefix="stock-export-")) / "stock_export.py"
+    path.write_text(patched)
+    return path
+
+
+# -- ExecuTorch's runtime and the eager model -------------------------------------------------------
+
+def write_input(folder: Path, name: str, tensor) -> str:
+    import torch
+
+    path = folder / f"{name}.bin"
+    t = tensor.contiguous()
+    t.view(torch.uint8).numpy().tofile(path) if t.dtype == torch.bfloat16 else t.numpy().tofile(path)
+    dtype = {torch.int64: "int64", torch.float32: "float32"}[t.dtype]
+    shape = "x".join(str(d) for d in t.shape) or "scalar"
+    return f"{dtype}:{shape}:{path}"
+
+
+def runtime_timing(stderr: str) -> dict:
+    found = {}
+    for m in re.finditer(r"et_cuda_run: (\w+): (\d+) runs, mean ([\d.]+) ms, min ([\d.]+) ms", stderr):
+        found[m.group(1)] = {"runs": int(m.group(2)), "mean_ms": float(m.group(3)), "min_ms": float(m.group(4))}
+    return found
+
+
+def eager_model(project: Path, cache: Path, options: dict):
+    """ExecuTorch's model from the quantize stage's bundle in the cache, on the GPU."""
+    sys.path.insert(0, str(project))
+    from cudabuild.engine.store import Store
+    from cudabuild.models import qwen35_moe
+    from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
+
+    stamp = json.loads((project / "build" / MODEL / TARGET / ".stamps" / "quantize.json").read_text())
+    store = Store(cache)
+    folder = Path(tempfile.mkdtemp(prefix="bundle-"))
+    for name, sha in stamp["outputs"].items():
+        (folder / name).symlink_to(store.verified_path(sha))
+    model = qwen35_moe.load(options, folder)
+    _move_to_cuda(model, model.config)
+    return model.eval()
+
+
+def cuda_ms(fn, warmup: int = 5, repeat: int = 50) -> dict:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"runs": repeat, "mean_ms": sum(times) / len(times), "min_ms": min(times)}
+
+
+def runtime_case(bench: Bench, name: str, project: Path, cache: Path, runtime: str, options: dict, prefill_len: int) -> dict:
+    """The package in ExecuTorch's runtime: prefill then decode, state shared, checked and timed."""
+    import torch
+
+    from cudabuild.models import qwen35_moe
+
+    build = project / "build" / MODEL / TARGET
+    pte, ptd = build / "model.pte", build / "aoti_cuda_blob.ptd"
+    entry: dict = {"info": bench.run(f"{name}-info", [runtime, "--info", str(pte), str(ptd)], project)}
+    entry["info"]["text"] = (bench.logs / f"{name}-info.log").read_text()[:6000]
+    model = eager_model(project, cache, options)
+    vocab, longest = model.config.vocab_size, model.config.max_seq_len - 1
+    P = min(prefill_len, longest)
+    prompt = (torch.arange(P) * 37 + 11) % vocab
+    files = bench.work / f"{name}-inputs"
+    files.mkdir(exist_ok=True)
+    greedy = torch.tensor([1e-6], dtype=torch.float32)
+    with torch.no_grad():
+        qwen35_moe.prepare_prefill(model, options)
+        prefill_logits = model(prompt[None].cuda(), torch.arange(P).cuda()).float()[0, -1].cpu()
+        first = int(prefill_logits.argmax())
+        qwen35_moe.prepare_decode(model, options)
+        decode_logits = model(torch.tensor([[first]]).cuda(), torch.tensor([P]).cuda()).float()[0, -1].cpu()
+    inputs = [write_input(files, "prompt", prompt[None]), write_input(files, "pos", torch.arange(P)),
+              write_input(files, "temp", greedy)]
+    dec = [write_input(files, "tok", torch.tensor([[first]])), write_input(files, "dpos", torch.tensor([P])),
+           write_input(files, "temp", greedy)]
+    outdir = bench.work / f"{name}-out"
+    run = bench.run(f"{name}-prefill-then-decode", [runtime, str(pte), str(ptd), "prefill", str(outdir), *inputs,
+                                                   "--then", "decode", *dec], project)
+    entry["prefill_then_decode"] = {"rc": run["rc"], "stdout": run["stdout_tail"]}
+    if run["rc"] == 0:
+        got_prefill = float(next(iter(__import__("numpy").fromfile(outdir / "out_0.bin", dtype="float32"))))
+        got_decode = float(next(iter(__import__("numpy").fromfile(outdir / "1_decode" / "out_0.bin", dtype="float32"))))
+        for what, logits, token in (("prefill", prefill_logits, int(got_prefill)), ("decode", decode_logits, int(got_decode))):
+            gap = float(logits.max() - logits[token])
+            entry[what] = {"runtime_token": token, "eager_argmax": int(logits.argmax()), "logit_gap": gap,
+                           "allowed": 5e-2 * float(logits.abs().max()), "ok": gap <= 5e-2 * float(logits.abs().max())}
+    # Timings: the runtime (plain and with a CUDA graph), and eager on the same weights.
+    timings: dict = {}
+    for graph in (False, True):
+        for method, args in (("decode", dec), ("prefill", inputs)):
+            flags = ["--warmup", "5", "--repeat", "50"] + (["--cuda-graph", method] if graph else [])
+            label = f"{method}{'-cuda-graph' if graph else ''}"
+            timed = bench.run(f"{name}-time-{label}", [runtime, *flags, str(pte), str(ptd), method, str(outdir / label), *args], project)
+            timings[f"runtime {label}"] = runtime_timing(timed["stderr_tail"]).get(method, {"rc": timed["rc"]})
+    tok, pos, t = torch.tensor([[first]]).cuda(), torch.tensor([P]).cuda(), greedy.cuda()
+    prompt_c, ppos = prompt[None].cuda(), torch.arange(P).cuda()
+    with torch.no_grad():
+        qwen35_moe.prepare_decode(model, options)
+        timings["eager decode"] = cuda_ms(lambda: model(tok, pos, t))
+        qwen35_moe.prepare_prefill(model, options)
+        timings["eager prefill"] = cuda_ms(lambda: model(prompt_c, ppos, t), warmup=3, repeat=20)
+    entry["timings"] = timings
+    entry["prefill_tokens"] = P
+    del model
+    torch.cuda.empty_cache()
+    return entry
+
+
+# -- the two .pte files side by side ----------------------------------------------------------------
+
+def describe_pte(path: Path) -> dict:
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(path.read_bytes()).program
+    out = {"bytes": path.stat().st_size, "methods": {}}
+    for plan in program.execution_plan:
+        values = plan.values
+
+        def describe(index):
+            v = values[index].val
+            kind = type(v).__name__
+            if kind == "Tensor":
+                return {"tensor": int(v.scalar_type), "sizes": list(v.sizes), "dim_order": list(v.dim_order)}
+            if kind in ("Int", "Double", "Bool"):
+                return {kind.lower(): getattr(v, f"{kind.lower()}_val")}
+            if kind == "String":
+                return {"string": v.string_val}
+            return {kind: str(v)[:200]}
+
+        delegates = [{"id": d.id, "specs": {s.key: bytes(s.value).decode(errors="replace") for s in d.compile_specs}}
+                     for d in plan.delegates]
+        operators = sorted(f"{op.name}.{op.overload}" for op in plan.operators)
+        out["methods"][plan.name] = {"inputs": [describe(i) for i in plan.inputs],
+                                     "outputs": [describe(i) for i in plan.outputs],
+                                     "delegates": delegates, "operators": operators,
+                                     "non_const_buffer_sizes": list(plan.non_const_buffer_sizes)}
+    return out
+
+
+def parity(ours: Path, stock: Path) -> dict:
+    a, b = describe_pte(ours), describe_pte(stock)
+    report = {"ours": a, "stock": b, "same_methods": sorted(a["methods"]) == sorted(b["methods"]), "differences": []}
+    for name in sorted(set(a["methods"]) | set(b["methods"])):
+        ma, mb = a["methods"].get(name), b["methods"].get(name)
+        if ma is None or mb is None:
+            report["differences"].append(f"{name}: only in {'stock' if ma is None else 'ours'}")
+            continue
+        for part in ("inputs", "outputs", "operators", "non_const_buffer_sizes"):
+            if ma[part] != mb[part]:
+                report["differences"].append(f"{name}.{part}: ours {ma[part]} stock {mb[part]}")
+        da = [d["id"] for d in ma["delegates"]]
+        db = [d["id"] for d in mb["delegates"]]
+        if da != db:
+            report["differences"].append(f"{name}.delegates: ours {da} stock {db}")
+        for i, (x, y) in enumerate(zip(ma["delegates"], mb["delegates"])):
+            if x["specs"] != y["specs"]:
+                report["differences"].append(f"{name}.delegate[{i}].compile_specs: ours {x['specs']} stock {y['specs']}")
+    return report
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--cases", default="cold,noop,restore,runtime,stock,parity")
+    parser.add_argument("--runtime", default=str(ROOT / ".etrt" / "run.sh"))
+    parser.add_argument("--layers", default="1,2")
+    parser.add_argument("--runtime-35b", action="store_true")
+    parser.add_argument("--budget", type=float, default=560)
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(out, args.budget)
+    results = bench.results
+    main_project, cache = bench.project("main"), bench.work / "cache-main"
+    import torch
+
+    results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    results["torch"] = torch.__version__
+    for case in args.cases.split(","):
+        if ESTIMATE[case] > bench.left():
+            results["cases"][case] = {"skipped": f"time budget ({bench.left():.0f} s left)"}
+            print(f"{case:<24} skipped (budget)", flush=True)
+            continue
+        try:
+            if case in ("cold", "noop"):
+                results["cases"][case] = bench.build(case, main_project, cache, *args.set)
+            elif case == "restore":
+                shutil.rmtree(main_project / "build", ignore_errors=True)
+                results["cases"][case] = bench.build(case, main_project, cache, *args.set)
+            elif case == "runtime":
+                options = json.loads((main_project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+                results["cases"][case] = runtime_case(bench, "runtime", main_project, cache, args.runtime, options, 63)
+            elif case == "stock":
+                script = stock_exporter(low_memory=False)
+                stock_out = bench.work / "stock-out"
+                env = {"TORCHINDUCTOR_CACHE_DIR": str(bench.work / "stock-inductor"),
+                       "TRITON_CACHE_DIR": str(bench.work / "stock-triton")}
+                entry = bench.run("stock", [sys.executable, str(script), "--tiny-test", "--qlinear", "4w",
+                                            "--output-dir", str(stock_out)], bench.work, env)
+                peak = re.search(r"EXPORT_GPU_PEAK_MEMORY_MB: ([\d.]+)", entry["stdout_tail"])
+                entry["peak_gpu_mb"] = float(peak.group(1)) if peak else None
+                results["cases"][case] = entry
+                if (stock_out / "model.pte").exists() and (stock_out / "model.pte").stat().st_size < 15 << 20:
+                    shutil.copy(stock_out / "model.pte", out / "stock.pte")
+            elif case == "parity":
+                ours = main_project / "build" / MODEL / TARGET / "model.pte"
+                stock = bench.work / "stock-out" / "model.pte"
+                report = parity(ours, stock)
+                report["ptd_bytes"] = {"ours": (ours.parent / "aoti_cuda_blob.ptd").stat().st_size,
+                                       "stock": (stock.parent / "aoti_cuda_blob.ptd").stat().st_size}
+                results["cases"][case] = report
+                if ours.stat().st_size < 15 << 20:
+                    shutil.copy(ours, out / "ours.pte")
+            elif case == "lowmem":
+                results["cases"][case] = bench.build("lowmem", main_project, cache, "low_memory_mode=ON", *args.set)
+            elif case == "memory":
+                results["cases"][case] = memory_case(bench, args)
+        except Exception as e:  # one case's failure must not cost the others
+            import traceback
+
+            results["cases"][case] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            print(f"{case:<24} error: {type(e).__name__}: {e}", flush=True)
+        bench.save()
+    cases = results["cases"]
+    if "seconds" in cases.get("cold", {}) and "seconds" in cases.get("stock", {}):
+        results["ratios"] = {"cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"]}
+    bench.save()
+    print(json.dumps({k: v for k, v in results.items() if k != "cases"}, indent=1))
+
+
+def memory_case(bench: Bench, args) -> dict:
+    """Peak GPU memory of each method's compile at the real shapes, low_memory_mode OFF and ON."""
+    rows, table = {}, []
+    for n in [int(x) for x in args.layers.split(",") if x]:
+        project, cache = bench.project(f"mem{n}"), bench.work / f"cache-mem{n}"
+        settings = ["size=35b-a3b", f"layers={n}", *args.set]
+        for mode in ("OFF", "ON"):
+            if bench.left() < 90:
+                rows[f"{n}/{mode}"] = {"skipped": "time budget"}
+                continue
+            entry = bench.build(f"mem{n}-{mode}", project, cache, *settings, f"low_memory_mode={mode}",
+                                tasks=("export:compile.decode", "export:compile.prefill"))
+            peaks = {stage: (s.get("value") or {}).get("peak_gpu_bytes") for stage, s in entry["stages"].items()
+                     if stage.startswith(("compile", "quantize"))}
+            rows[f"{n}/{mode}"] = {"rc": entry["rc"], "seconds": entry["seconds"], "peaks": peaks,
+                                   "stages": entry["stages"], "stderr_tail": entry["stderr_tail"]}
+            table.append({"layers": n, "low_memory_mode": mode, **{k: v for k, v in peaks.items()}})
+        if args.runtime_35b and n == int(args.layers.split(",")[0]) and bench.left() > 150:
+            done = bench.build(f"mem{n}-package", project, cache, *settings, "low_memory_mode=OFF")
+            rows[f"{n}/package"] = {"rc": done["rc"], "verify": done.get("verify"), "seconds": done["seconds"]}
+            if done["rc"] == 0:
+                options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+                rows[f"{n}/runtime"] = runtime_case(bench, f"runtime35b-{n}", project, cache, args.runtime, options, 127)
+    return {"rows": rows, "table": table}
+
+
+if __name__ == "__main__":
+    main()

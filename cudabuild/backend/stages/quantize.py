@@ -1,0 +1,42 @@
+"""quantize: the recipe's weights prepared once, ahead of every method's export (`Quantize.run`).
+
+What decides them is in the stage's key (cudabuild.pipeline): the quantization options, the
+weights' content, the quantizer's source and the toolchain. Its outputs are the files the
+recipe's quantizer wrote (for ExecuTorch's Qwen3.5-MoE a stock-format bundle: model.safetensors
+and config.json); every export loads them through the recipe's `Quantize.load`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cudabuild import registry
+from cudabuild.backend.stages.export import release_model
+from cudabuild.engine.runner import StageResult
+from cudabuild.engine.trace import phase
+from cudabuild.errors import CudabuildError, ExportFailed, one_line
+
+
+def run(ctx) -> StageResult:
+    import torch
+
+    config = ctx.config
+    recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
+    device = "cuda" if config.target == "cuda" and recipe.quantize.on_device else "cpu"
+    release_model()
+    if device == "cuda":
+        torch.zeros(1, device="cuda")  # torch 2.11 refuses to reset the peak counter before CUDA is up
+        torch.cuda.reset_peak_memory_stats(0)
+    try:
+        with phase("quantize"):
+            written = recipe.quantize.run(dict(config.options), ctx.workdir / "weights", device)
+    except CudabuildError:
+        raise
+    except Exception as e:
+        raise ExportFailed(f"model {config.model} failed to quantize: {one_line(e)}") from e
+    files = {name: Path(path) for name, path in written.items()}
+    value = {"files": {name: path.stat().st_size for name, path in sorted(files.items())}, "device": device}
+    if device == "cuda":
+        value["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(0)
+        torch.cuda.empty_cache()
+    return StageResult(files, value=value)

@@ -1,0 +1,195 @@
+"""ExecuTorch's own Qwen3.5-MoE (executorch.examples.models.qwen3_5_moe) for its CUDA backend,
+prepared as its exporter (export.py) prepares it.
+
+Owns what happens after the weights are quantized (cudabuild/models/qwen35_moe_quantize.py):
+loading a bundle into a meta model with `assign` (the stock prequantized loader), the runtime
+buffers, the per-method switches (decode: the vec-mat MoE kernel and int4 matvec; prefill: the
+batched tensor-core MoE kernel, tinygemm or dequant dense linears), the methods' inputs
+(`tokens`, `input_pos`, `temperature`), the runner's metadata, and what the options may be.
+
+The model itself is ExecuTorch's, unchanged: its forward calls ExecuTorch's Triton ops (fused MoE,
+the chunked and the fused-decode delta rule, split-K decode attention, int4 matvec), so it runs on
+a CUDA device only; it exports anywhere (the ops have fake kernels). Its CPU form is
+cudabuild/models/qwen_moe.py, the same architecture in plain PyTorch (recipes/qwen_moe.py says
+how the two are kept the same model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+
+from cudabuild.errors import InvalidOption
+from cudabuild.models import qwen35_moe_quantize as quant
+
+# The KV cache's length when a size or checkpoint does not say: the stock exporter's --max-seq-len.
+DEFAULT_MAX_SEQ_LEN = 4096
+# prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
+MIN_SEQ_LEN = 4
+# What the options default to: the stock exporter's, with int4 linears (bf16 experts cannot run on cuda).
+OPTIONS = {
+    "size": "tiny", "layers": 0, "checkpoint": "", "prequantized": "", "seed": 42, "max_seq_len": 0,
+    "qlinear": "4w", "qlinear_group_size": 32, "qembedding": "", "hqq": False,
+    "dense_prefill": "tinygemm", "moe_activation_dtype": "bf16", "splitk": True,
+}
+CHOICES = {
+    "size": tuple(quant.SIZES), "qlinear": ("4w", "8w", "8da4w"), "qembedding": ("", "8w"),
+    "dense_prefill": ("tinygemm", "dequant"), "moe_activation_dtype": ("bf16", "int8"),
+}
+# The options that decide the quantized weights (the quantize stage's key); the folders too.
+QUANTIZE_OPTIONS = ("size", "layers", "seed", "qlinear", "qlinear_group_size", "qembedding", "hqq")
+QUANTIZE_FOLDERS = ("checkpoint", "prequantized")
+# What a prequantized bundle decides by itself: these must stay at their defaults beside it.
+DECIDED_BY_A_BUNDLE = ("layers", "qlinear", "qlinear_group_size", "qembedding", "hqq")
+
+
+def resolve(options: Mapping[str, Any]) -> dict:
+    """The options with max_seq_len filled in; every combination the model cannot take refused."""
+    out = dict(options)
+    problems = []
+    if options["checkpoint"] and options["prequantized"]:
+        problems.append("qwen_moe options checkpoint= and prequantized= exclude each other: a bundle is already "
+                        "the quantized checkpoint")
+    if options["prequantized"]:
+        fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != OPTIONS[name]]
+        if fixed:
+            problems.append(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself; "
+                            f"drop {', '.join(fixed)}")
+        else:
+            quant.check_bundle(_folder(options["prequantized"]))
+    if options["dense_prefill"] == "dequant" and options["qlinear"] != "4w":
+        problems.append(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
+                        f"not qlinear={options['qlinear']}")
+    source = options["checkpoint"] or options["prequantized"]
+    layers = int(options["layers"])
+    if layers < 0:
+        problems.append(f"qwen_moe option layers={layers}: expected an integer >= 0 (0: every layer)")
+    if source:
+        config = _config_file(source)
+        if layers > config.num_hidden_layers:
+            problems.append(f"qwen_moe option layers={layers}: the checkpoint has {config.num_hidden_layers}")
+    max_seq_len = int(options["max_seq_len"]) or (quant.SIZES[options["size"]].get("max_seq_len") if not source else 0) \
+        or DEFAULT_MAX_SEQ_LEN
+    if max_seq_len < MIN_SEQ_LEN:
+        problems.append(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
+                        "(default 0: from the size, else 4096)")
+    if problems:
+        raise InvalidOption("; ".join(problems))
+    out["max_seq_len"] = max_seq_len
+    return out
+
+
+def _folder(path: str):
+    from pathlib import Path
+
+    return Path(path).expanduser().resolve()
+
+
+def _config_file(folder: str):
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
+
+    path = os.path.join(os.path.expanduser(folder), quant.CONFIG)
+    try:
+        return Qwen35MoEConfig.from_hf_config(path)
+    except FileNotFoundError:
+        raise InvalidOption(f"qwen_moe: {path} does not exist") from None
+    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+        raise InvalidOption(f"qwen_moe: {path} is not a Qwen3.5-MoE config ({type(e).__name__}: {e})") from None
+
+
+def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
+    """The eager model from the quantize stage's output (`folder`: its files by name), built on the
+    meta device and given the bundle's tensors with `assign` (ExecuTorch's load_prequantized_model),
+    its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
+    the dequant prefill (on the GPU, as the stock exporter does)."""
+    import executorch.backends.cuda.triton.kernels  # noqa: F401  (registers the Triton ops the forward calls)
+    from executorch.examples.models.qwen3_5_moe.export import (
+        _materialize_buffers, _replace_dense_with_w4dequant, load_prequantized_model,
+    )
+
+    adopted = os.path.join(folder, quant.ADOPTED)
+    if os.path.isfile(adopted):
+        with open(adopted) as f:
+            folder = json.load(f)["folder"]
+    model, config = load_prequantized_model(str(folder), max_seq_len=int(options["max_seq_len"]),
+                                            use_splitk_decode=bool(options["splitk"]))
+    _materialize_buffers(model, config)
+    if options["dense_prefill"] == "dequant":
+        _replace_dense_with_w4dequant(model, group_size=int(options["qlinear_group_size"]), use_hqq=bool(options["hqq"]))
+    return model
+
+
+def prepare_decode(model, options: Mapping[str, Any]) -> None:
+    from executorch.examples.models.qwen3_5_moe.export import _set_batched_moe, _set_dequant_prefill
+
+    _set_batched_moe(model, False)
+    _set_dequant_prefill(model, False)
+
+
+def prepare_prefill(model, options: Mapping[str, Any]) -> None:
+    from executorch.examples.models.qwen3_5_moe.export import _set_batched_moe, _set_dequant_prefill
+
+    _set_batched_moe(model, True, moe_activation_dtype=options["moe_activation_dtype"])
+    _set_dequant_prefill(model, options["dense_prefill"] == "dequant")
+
+
+def _temperature(value: float = 1.0) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float32)
+
+
+def decode_inputs(model) -> tuple:
+    return (torch.tensor([[0]], dtype=torch.long), torch.tensor([0], dtype=torch.long), _temperature())
+
+
+def prefill_inputs(model) -> tuple:
+    # T = max_seq_len - 1: AOTInductor sizes the chunked delta rule's buffers from the example, and a
+    # shorter one would refuse longer prompts at run time (the stock exporter's reason).
+    T = model.config.max_seq_len - 1
+    return (torch.zeros((1, T), dtype=torch.long), torch.arange(T, dtype=torch.long), _temperature())
+
+
+def prefill_shapes(model):
+    T = torch.export.Dim("seq_len", min=2, max=model.config.max_seq_len - 1)
+    return ({1: T}, {0: T}, None)
+
+
+def _tokens(n: int, vocab: int, start: int = 0) -> torch.Tensor:
+    return (torch.arange(start, start + n, dtype=torch.long) * 37 + 11) % vocab
+
+
+GREEDY = 1e-6
+
+
+def decode_steps(model) -> list[tuple]:
+    """Four decode calls from position 0: a runner's first tokens, the state carried between them."""
+    vocab = model.config.vocab_size
+    return [(_tokens(1, vocab, i)[None, :], torch.tensor([i]), _temperature(GREEDY)) for i in range(4)]
+
+
+def prefill_steps(model) -> list[tuple]:
+    """A 9-token prompt, then 5 more tokens continuing from its state (a chunked prompt)."""
+    vocab, longest = model.config.vocab_size, model.config.max_seq_len - 1
+    first, second = min(9, longest), min(5, longest - min(9, longest))
+    steps = [(_tokens(first, vocab)[None, :], torch.arange(first), _temperature(GREEDY))]
+    if second >= 2:
+        steps.append((_tokens(second, vocab, first)[None, :], torch.arange(first, first + second), _temperature(GREEDY)))
+    return steps
+
+
+def metadata(model) -> dict:
+    from executorch.examples.models.qwen3_5_moe.export import _qwen_mutable_buffer_fqns
+
+    config = model.config
+    return {
+        "get_max_seq_len": config.max_seq_len,
+        "get_vocab_size": config.vocab_size,
+        "get_n_layers": config.num_hidden_layers,
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": False,
+        "enable_dynamic_shape": True,
+        # The per-session state a runner resets and shares between methods by name.
+        "get_mutable_buffer_metadata": json.dumps({"version": 1, "mutable_buffers": _qwen_mutable_buffer_fqns(model)}),
+    }

@@ -1,0 +1,232 @@
+"""The quantize stage of ExecuTorch's Qwen3.5-MoE: its weights built (seeded, or read from a
+checkpoint) and quantized once, written as a bundle in the stock format.
+
+Owns: which weights a build starts from (the named sizes, the seeded random init of the stock
+exporter's `--tiny-test`, a Hugging Face checkpoint read through ExecuTorch's own loaders, cut to
+the first `layers`), their quantization as the stock exporter's `_quantize` does it, and the
+bundle: `model.safetensors` (torchao's flattened tensor subclasses, as ExecuTorch's
+quantize_and_save writes it) beside a Hugging Face `config.json`. Export loads it with the stock
+prequantized loader (cudabuild/models/qwen35_moe.py), and so can the stock exporter
+(`export.py --prequantized DIR`).
+
+Must not touch: anything a method, an export or a compile decides. The quantize stage is keyed on
+this module's source (and what it imports from the project), so what lives here reruns
+quantization when it changes; keep the per-method switches and the runtime buffers elsewhere.
+
+Quantization, step by step as ExecuTorch 1.4.1's export.py `_quantize` (it is not called as is
+because it moves layers to "cuda" unconditionally; here the device is a parameter, so the same
+steps run on the CPU where torchao can, as the tests do with qlinear=8w):
+1. experts: packed int4 (min/max, or HQQ with `hqq`), ExecuTorch's `_quantize_experts_int4`;
+2. lm_head untied from the embedding;
+3. each layer moved to the device in bf16, its linears quantized (4w: torchao's tile-packed int4,
+   the layout `_weight_int4pack_mm` reads), moved back;
+4. lm_head likewise; 5. the embedding (`qembedding`); 6. the final norm cast to bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+# The stock exporter's --tiny-test model: every feature of the real one at a small scale (GQA 2:1,
+# GDN key/value heads 1:2, partial RoPE, alternating layer kinds, top-2 of 8 experts, shared
+# expert, depthwise conv with state). The other size is Qwen35MoEConfig's defaults: 35B-A3B.
+TINY = dict(
+    vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=64,
+    partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+    linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=128, shared_expert_intermediate_size=128, full_attention_interval=2,
+    rms_norm_eps=1e-6, rope_theta=10_000.0, max_seq_len=64,
+)
+SIZES = {"tiny": TINY, "35b-a3b": {}}
+
+# Buffers that are per-session state or recomputed at load (ExecuTorch's loader lists the same):
+# not part of the weights, and shaped by max_seq_len, which must not key this stage.
+RUNTIME_BUFFERS = (".kv_cache.", ".conv_state", ".recurrent_state", ".cache_positions", ".inv_freq", ".mask")
+
+BUNDLE = "model.safetensors"
+CONFIG = "config.json"
+ADOPTED = "bundle.json"  # names a stock prequantized bundle used in place
+
+
+def check_bundle(folder: Path) -> None:
+    """A stock CUDA bundle: config.json, and a model.safetensors whose header says how to rebuild
+    its tensor subclasses (torchao's `tensor_names`, or the legacy `quantization`)."""
+    from cudabuild.errors import InvalidOption
+    from cudabuild.models.safetensors_parts import METADATA, HeaderError, read_raw_header
+
+    for name in (CONFIG, BUNDLE):
+        if not (folder / name).is_file():
+            raise InvalidOption(f"prequantized={folder}: no {name} there (a bundle of ExecuTorch's quantize_and_save has both)")
+    try:
+        header, _, _ = read_raw_header(folder / BUNDLE)
+    except HeaderError as e:
+        raise InvalidOption(f"prequantized={folder}: {BUNDLE} is not readable ({e})") from None
+    metadata = header.get(METADATA) or {}
+    if "tensor_names" not in metadata and "quantization" not in metadata:
+        raise InvalidOption(f"prequantized={folder}: {BUNDLE} is not a quantized bundle (its header has no torchao "
+                            "tensor_names); make one with ExecuTorch's quantize_and_save.py")
+
+
+def model_config(options: Mapping[str, Any]):
+    """The Qwen35MoEConfig the options describe (its max_seq_len is the size's: the weights do not
+    depend on it)."""
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
+
+    if options.get("checkpoint"):
+        config = Qwen35MoEConfig.from_hf_config(os.path.join(os.path.expanduser(options["checkpoint"]), CONFIG))
+    else:
+        config = Qwen35MoEConfig(**SIZES[options["size"]])
+    layers = int(options.get("layers") or 0)
+    if layers and layers < config.num_hidden_layers:
+        config.num_hidden_layers = layers
+        config.layer_types = list(config.layer_types[:layers])
+    return config
+
+
+def hf_config(config) -> dict:
+    """`config` in the Hugging Face keys Qwen35MoEConfig.from_hf_config reads back."""
+    return {
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "partial_rotary_factor": config.partial_rotary_factor, "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads, "linear_key_head_dim": config.linear_key_head_dim,
+        "linear_value_head_dim": config.linear_value_head_dim, "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
+        "num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "shared_expert_intermediate_size": config.shared_expert_intermediate_size,
+        "full_attention_interval": config.full_attention_interval, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "layer_types": list(config.layer_types),
+    }
+
+
+def seeded_model(config, seed: int):
+    """The stock --tiny-test model: bf16, every parameter drawn from N(0, 0.02) after `seed`."""
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
+
+    torch.manual_seed(seed)
+    model = Qwen35MoE(config)
+    model.to(dtype=torch.bfloat16)
+    for p in model.parameters():
+        if p.device.type != "meta":
+            p.data.normal_(0, 0.02)
+    return _frozen(model)
+
+
+def checkpoint_model(folder: str, config):
+    """A Hugging Face checkpoint through ExecuTorch's loaders: `from_hf_checkpoint` for the whole
+    model; its lazy subset reader for the first `config.num_hidden_layers` layers (so a cut model
+    reads only the tensors it keeps)."""
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE, Qwen35MoEConfig
+
+    folder = os.path.expanduser(folder)
+    full = Qwen35MoEConfig.from_hf_config(os.path.join(folder, CONFIG))
+    if config.num_hidden_layers == full.num_hidden_layers:
+        model, _ = Qwen35MoE.from_hf_checkpoint(folder, max_seq_len=config.max_seq_len)
+        return _frozen(model)
+    from executorch.examples.models.qwen3_5_moe.quantize_and_save import _load_remapped_subset, _open_checkpoint_shards
+
+    kept = config.num_hidden_layers
+
+    def wanted(key: str) -> bool:  # model.layers.<i>.… for i < kept, and everything outside the layers
+        parts = key.split(".")
+        return not (len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= kept)
+
+    weight_map, handle = _open_checkpoint_shards(folder)
+    state = _load_remapped_subset(weight_map, handle, config, wanted)
+    if "lm_head.weight" not in state and "embed_tokens.weight" in state:  # tied embeddings
+        state["lm_head.weight"] = state["embed_tokens.weight"].clone()
+    with torch.device("meta"):
+        model = Qwen35MoE(config)
+    model.load_state_dict(state, strict=False, assign=True)
+    return _frozen(model)
+
+
+def _frozen(model):
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _on(module, device: str, dtype=None) -> None:
+    """Move the module's submodules that hold no meta buffer (the runtime state a checkpoint leaves
+    unloaded) to `device`; ExecuTorch's `_to_device_skip_meta`, which moves tensor subclasses right."""
+    from executorch.examples.models.qwen3_5_moe.export import _to_device_skip_meta
+
+    _to_device_skip_meta(module, device=device, dtype=dtype)
+
+
+def quantize_model(model, config, options: Mapping[str, Any], device: str) -> None:
+    """The stock exporter's `_quantize`, in place, with the linears quantized on `device`."""
+    from executorch.examples.models.qwen3_5_moe.export import _quantize_experts_int4
+    from executorch.extension.llm.export.quantize import quantize_model_
+
+    qlinear, group = options["qlinear"], int(options["qlinear_group_size"])
+    packing = "tile_packed_to_4d" if qlinear == "4w" else None
+    _quantize_experts_int4(model, config, group, use_hqq=bool(options["hqq"]))
+    if model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr():
+        model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.clone())
+    for layer in model.layers:
+        _on(layer, device, torch.bfloat16)
+        quantize_model_(layer, qlinear_config=qlinear, qlinear_group_size=group, qlinear_packing_format=packing)
+        _on(layer, "cpu")
+        _release(device)
+    model.lm_head.to(device=device, dtype=torch.bfloat16)
+    wrapper = torch.nn.ModuleDict({"lm_head": model.lm_head})
+    quantize_model_(wrapper, qlinear_config=qlinear, qlinear_group_size=group, qlinear_packing_format=packing)
+    model.lm_head = wrapper.lm_head
+    model.lm_head.to(device="cpu")
+    _release(device)
+    if options.get("qembedding"):
+        model.embed_tokens.to(dtype=torch.bfloat16)
+        quantize_model_(model, qembedding_config=options["qembedding"])
+    model.norm.to(dtype=torch.bfloat16)
+
+
+def _release(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def weights(model) -> list[tuple[str, torch.Tensor]]:
+    """What the bundle holds: every parameter and buffer but the runtime state."""
+    items = list(model.named_parameters()) + list(model.named_buffers())
+    return [(name, t) for name, t in items if not any(marker in name for marker in RUNTIME_BUFFERS)]
+
+
+def quantize(options: Mapping[str, Any], folder: Path, device: str) -> dict[str, Path]:
+    """Build and quantize the model the options describe; write the bundle into `folder`. A stock
+    prequantized bundle (`prequantized=DIR`) is adopted as it is: `bundle.json` names it, and its
+    tensors key this stage like a checkpoint's."""
+    from executorch.examples.models.qwen3_5_moe.quantize_and_save import save_quantized_tensors
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if options.get("prequantized"):
+        bundle = Path(options["prequantized"]).expanduser().resolve()
+        check_bundle(bundle)
+        files = {ADOPTED: folder / ADOPTED}
+        files[ADOPTED].write_text(json.dumps({"folder": str(bundle)}))
+        return files
+    config = model_config(options)
+    if options.get("checkpoint"):
+        model = checkpoint_model(options["checkpoint"], config)
+    else:
+        model = seeded_model(config, int(options["seed"]))
+    quantize_model(model, config, options, device)
+    files = {BUNDLE: folder / BUNDLE, CONFIG: folder / CONFIG}
+    save_quantized_tensors(weights(model), str(files[BUNDLE]))
+    files[CONFIG].write_text(json.dumps(hf_config(config), indent=1, sort_keys=True))
+    return files
+
+
+def stock_arguments(options: Mapping[str, Any]) -> types.SimpleNamespace:
+    """The stock exporter's argparse namespace for these options (for side-by-side runs)."""
+    return types.SimpleNamespace(qlinear=options["qlinear"], qlinear_group_size=int(options["qlinear_group_size"]),
+                                 qembedding=options.get("qembedding") or None, hqq=bool(options["hqq"]))
