@@ -63,12 +63,6 @@ def _verb(c: Change) -> str:
     return "added" if c.old is _MISSING else "removed" if c.new is _MISSING else "changed"
 
 
-def _pipeline() -> Pipeline:
-    from cudabuild.engine.runner import default_pipeline
-
-    return default_pipeline()
-
-
 def _toolchain_words(rest: tuple[str, ...], c: Change) -> str:
     if rest[:1] == ("packages",):
         rest = rest[1:]
@@ -78,8 +72,9 @@ def _toolchain_words(rest: tuple[str, ...], c: Change) -> str:
     return f"toolchain {name}: {_was(c)}"
 
 
-def describe(c: Change, inputs: dict, pipeline: Optional[Pipeline] = None) -> str:
-    """One change in words; `inputs` (the new ones) says which stage and method it belongs to."""
+def describe(c: Change, inputs: dict, pipeline: Pipeline) -> str:
+    """One change in words; `inputs` (the new ones) says which stage and method it belongs to, and
+    the pipeline which upstream stage an input names."""
     p = c.path
     root = p[0] if p else ""
     if c.old is _MISSING and c.new is None:  # an input this version of cudabuild added to the key
@@ -101,7 +96,7 @@ def describe(c: Change, inputs: dict, pipeline: Optional[Pipeline] = None) -> st
         return f"spec {p[1]}: {_was(c)}"
     if root == "methods" and len(p) == 4 and p[2] == "specs":
         return f"spec {p[1]}.{p[3]}: {_was(c)}"
-    upstream = (pipeline or _pipeline()).upstream_of(p, inputs)
+    upstream = pipeline.upstream_of(p, inputs)
     if upstream:
         what = _graph_name(upstream) if p[-1] == "graph" else f"result of {upstream}"
         return f"{what} changed ({_was(c)})"
@@ -123,7 +118,7 @@ def _join(words: list[str], most: int = 3) -> str:
     return "; ".join(words[:most]) + (f"; and {len(words) - most} more" if len(words) > most else "")
 
 
-def reason(old_inputs: dict | None, new_inputs: dict, pipeline: Optional[Pipeline] = None) -> str:
+def reason(old_inputs: dict | None, new_inputs: dict, pipeline: Pipeline) -> str:
     """One line: why a stage with these inputs must run, given the inputs it last ran with."""
     if old_inputs is None:
         return "not built here before, and no cached result"

@@ -36,24 +36,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from cudabuild.engine import cache_admin, console, memory, trace, workers
-from cudabuild.config import BuildConfig
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.files import atomic_copy, atomic_write_text
-from cudabuild.engine.graph import Pipeline, Result, ResultReader, Stage, pending_in
+from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
 from cudabuild.engine.store import Store
 
 # A stage whose resident memory grew more than this is followed by a full garbage collection.
 COLLECT_AFTER_GROWTH = 256 << 20
-
-
-def default_pipeline() -> Pipeline:
-    # The table of stages joins the engine to the backend; the engine takes it as a parameter.
-    from cudabuild.pipeline import PIPELINE
-
-    return PIPELINE
 
 
 @dataclass(frozen=True)
@@ -94,7 +86,7 @@ class StageResult:
 
 @dataclass
 class StageContext:
-    config: BuildConfig
+    config: Build
     stage: Stage
     inputs: dict
     key: str
@@ -130,11 +122,10 @@ class StageContext:
 
 @dataclass
 class Runner:
-    config: BuildConfig
+    config: Build
     store: Store
     run_id: str
     log: Callable[[str], None] = console.note
-    pipeline: Pipeline = field(default_factory=default_pipeline)
     statuses: dict = field(default_factory=dict)  # stage id -> status for this process
     # Third-party output of a stage that runs goes to its log (cudabuild.engine.console), unless streamed.
     capture_output: bool = True
@@ -145,6 +136,10 @@ class Runner:
     _recorder: Optional[trace.Recorder] = None
     _started_in: int = field(default_factory=os.getpid)
     _startup_recorded: bool = False
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.config.pipeline
 
     # -- stamps ---------------------------------------------------------------------------------
 
