@@ -103,8 +103,8 @@ def mib(n: float) -> str:
 
 TRANSFER = textwrap.dedent("""
     import json, resource, sys, time
-    from cudabuild.engine.s3_blobs import S3Blobs
-    from cudabuild.engine.s3_client import Bucket
+    from cudabuild.engine.tiers.s3.blobs import S3Blobs
+    from cudabuild.engine.tiers.s3.client import Bucket
     url, source, sha, dest = sys.argv[1:5]
     warnings = []
     blobs = S3Blobs(Bucket(url, warn=warnings.append))
@@ -237,7 +237,7 @@ def main() -> None:
             env = dict(base, **tiers, CUDABUILD_CACHE_DIR=str(home / "cache"), CUDABUILD_PROJECT=str(project))
             if i >= 2:  # seed this tier from the cold build's local cache
                 seeded = subprocess.run([sys.executable, "-c", "from cudabuild.engine.store import Store\n"
-                                         "from cudabuild.engine.remote import push_store\nprint(push_store(Store()))"],
+                                         "from cudabuild.engine.tiers.base import push_store\nprint(push_store(Store()))"],
                                         cwd=ROOT, capture_output=True, text=True,
                                         env=dict(env, CUDABUILD_CACHE_DIR=str(work / "case0" / "cache")))
                 if seeded.returncode != 0:

@@ -11,15 +11,15 @@ Every blob is re-hashed on its way out; one that does not match is deleted and r
 `CorruptBlob`, so callers rebuild it instead of serving it. Blobs of gigabytes are also handed out
 as the store's own file (`verified_path`, to map or clone, never to write), checked once per change
 of that file's stat signature rather than on every read. A record is only trusted when it is
-well formed (cudabuild.engine.records, the check the remote tier applies too) and all the blobs it
+well formed (cudabuild.engine.records, the check the remote tiers apply too) and all the blobs it
 names are present; a damaged one is warned about, dropped, and read as a miss, so its stage runs
 again. This module imports neither torch nor executorch, nor anything that builds on Store
 (cache_admin enforces size limits from above). The few reads below diskcache's public API go
 through cudabuild.engine.diskcache_rows.
 
-With $CUDABUILD_REMOTE set, a shared tier (cudabuild.engine.remote) sits behind this one: a record or
+With $CUDABUILD_REMOTE set, a shared tier (cudabuild.engine.tiers) sits behind this one: a record or
 blob missing here is looked up there and copied in (checked against its sha256 on arrival), and
-`push` writes a new record back, its blobs first. Without it, cudabuild.engine.remote is never imported.
+`push` writes a new record back, its blobs first. Without it, cudabuild.engine.tiers is never imported.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def remote_from_env():
     """The shared tier $CUDABUILD_REMOTE names, or None; connects to nothing until first used."""
     if not os.environ.get("CUDABUILD_REMOTE", "").strip():
         return None
-    from cudabuild.engine.remote import from_env  # only builds that name a remote tier import it (and, later, redis)
+    from cudabuild.engine.tiers.factory import from_env  # only builds that name a remote tier import it (and, later, redis)
 
     return from_env()
 
@@ -81,7 +81,7 @@ class Store:
                 timeout=60,
             )
         self.hasher = FileHasher(self.cache)
-        # The shared tier behind this one (cudabuild.engine.remote.RedisTier); None means local only.
+        # The shared tier behind this one (a cudabuild.engine.tiers.base.Tier); None means local only.
         self.remote = remote_from_env()
         self._damaged_warned: set[str] = set()  # record keys already warned about (once each)
 

@@ -35,7 +35,7 @@ from cudabuild.engine.hashing import digest, sha256_file
 from cudabuild.backend import mapped_weights
 from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
-from cudabuild.engine.remote import inductor_environment
+from cudabuild.engine.tiers.redis import inductor_environment
 from cudabuild.engine.runner import StageResult
 from cudabuild.backend.toolchain import inductor_root
 from cudabuild.engine.trace import phase
