@@ -142,7 +142,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from cudabuild.engine import report
+    from cudabuild.engine.console import report
     from cudabuild.engine.files import atomic_write_text
     from cudabuild.engine.store import Store
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import cache_admin, console, memory, trace, workers
+from cudabuild.engine import cache_admin, memory, workers
+from cudabuild.engine.console import terminal, trace
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.files import atomic_copy, atomic_write_text
@@ -92,7 +93,7 @@ class StageContext:
     key: str
     workdir: Path
     runner: "Runner"
-    log: Callable[[str], None] = console.note
+    log: Callable[[str], None] = terminal.note
 
     @property
     def store(self) -> Store:
@@ -125,9 +126,9 @@ class Runner:
     config: Build
     store: Store
     run_id: str
-    log: Callable[[str], None] = console.note
+    log: Callable[[str], None] = terminal.note
     statuses: dict = field(default_factory=dict)  # stage id -> status for this process
-    # Third-party output of a stage that runs goes to its log (cudabuild.engine.console), unless streamed.
+    # Third-party output of a stage that runs goes to its log (cudabuild.engine.console.terminal), unless streamed.
     capture_output: bool = True
     logs: dict = field(default_factory=dict)  # stage id -> the log this process's run of it wrote
     # How many stages this build runs at once (doit's worker processes): see cudabuild.engine.workers.
@@ -254,7 +255,7 @@ class Runner:
         if not self.capture_output:
             return contextlib.nullcontext()
         self.logs[stage.id] = self.log_path(stage)
-        return console.capture(self.logs[stage.id])
+        return terminal.capture(self.logs[stage.id])
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -328,7 +329,7 @@ class Runner:
                 self.store.materialise(record["outputs"][name], self.config.build_dir / name)
                 self.store.hasher.remember(self.config.build_dir / name, record["outputs"][name])
         except (CorruptBlob, MissingBlob) as e:
-            console.warn(str(e))
+            terminal.warn(str(e))
             self.store.drop_record(key)
             return None
         status = "remote" if source == "remote" else "restored"
@@ -479,7 +480,7 @@ class Runner:
         try:
             return take(self._sha_of(stage, name))
         except (CorruptBlob, MissingBlob) as e:
-            console.warn(str(e))
+            terminal.warn(str(e))
             self._rebuild(stage)
             return take(self._sha_of(stage, name))
 

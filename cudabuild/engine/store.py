@@ -38,7 +38,8 @@ from typing import Iterator, Optional
 import diskcache
 
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
-from cudabuild.engine import console, diskcache_rows
+from cudabuild.engine import diskcache_rows
+from cudabuild.engine.console import terminal
 from cudabuild.engine.diskcache_rows import Entry
 from cudabuild.engine.files import atomic_copy, atomic_write, temporary_file
 from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
@@ -385,7 +386,7 @@ class Store:
             stage = record.get("stage") if isinstance(record, dict) else None
             of = f" of {stage}" if isinstance(stage, str) else ""
             damage = "is malformed" if isinstance(record, dict) else "is not a JSON object"
-            console.warn(f"cached record {key[:12]}{of} in {self.root} {damage}; dropped, its stage will run again")
+            terminal.warn(f"cached record {key[:12]}{of} in {self.root} {damage}; dropped, its stage will run again")
         return None
 
     def orphan_files(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> list[tuple[Path, int]]:

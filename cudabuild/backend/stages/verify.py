@@ -19,7 +19,7 @@ from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.runner import COLLECT_AFTER_GROWTH, StageResult
-from cudabuild.engine.trace import phase
+from cudabuild.engine.console.trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
 TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}

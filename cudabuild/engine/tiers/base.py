@@ -29,7 +29,7 @@ import uuid
 from typing import BinaryIO, Callable, Iterable, Optional, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from cudabuild.engine import console
+from cudabuild.engine.console import terminal
 from cudabuild.errors import one_line
 from cudabuild.engine.hashing import canonical_json
 from cudabuild.engine.records import well_formed  # the check the local store applies too
@@ -48,7 +48,7 @@ HEARTBEAT_JOIN_SECONDS = 5.0
 
 
 def warn_stderr(message: str) -> None:
-    console.warn(message)  # the terminal's stderr, also while a stage's output goes to its log
+    terminal.warn(message)  # the terminal's stderr, also while a stage's output goes to its log
 
 
 def redact(url: str) -> str:
