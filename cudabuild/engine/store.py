@@ -279,13 +279,17 @@ class Store:
         value = (record or {}).get("value")
         if not isinstance(value, dict):
             return None
-        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
+        self._put_doc(name, value)
         return value
 
     def put_json(self, name: str, value: dict) -> None:
-        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
+        self._put_doc(name, value)
         if self.remote is not None and self.remote.writable and name.startswith(SHARED_DOCS):
             self.remote.put_record(_doc_key(name), _doc_record(name, value))
+
+    def _put_doc(self, name: str, value: dict) -> None:
+        """The local write of a document, whether made here or copied in from the shared tier."""
+        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
 
     def shared_docs(self) -> Iterator[tuple[str, dict]]:
         """(tier key, record) of every document the shared tier also keeps (see SHARED_DOCS)."""
