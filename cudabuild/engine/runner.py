@@ -272,8 +272,9 @@ class Runner:
         span["key"] = key
         if decision.verdict == "cached":
             return self._note(stage, "cached")
-        if decision.verdict == "restorable" and (status := self._restore(stage, decision)):
-            return self._note(stage, status)
+        restored = decision.verdict == "restorable" and self._restore(stage, key, inputs, decision.record, decision.tier)
+        if restored:
+            return self._note(stage, restored)
         with self._key_lock(key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
@@ -299,8 +300,7 @@ class Runner:
             lease = remote.try_lease(key) if remote is not None else None
             # Restore after claiming: the holder may have published and let go since our last look.
             record, tier = self.store.find_record(key)
-            found = Decision(stage, "restorable", inputs, key, None, record, tier) if record is not None else None
-            if found is not None and (status := self._restore(stage, found)):
+            if record is not None and (status := self._restore(stage, key, inputs, record, tier)):
                 if lease is not None:
                     lease.release()
                 return status, None
@@ -317,10 +317,9 @@ class Runner:
         self.statuses[stage.id] = status
         return status
 
-    def _restore(self, stage: Stage, found: Decision) -> Optional[str]:
-        """Serve a restorable decision: restored (from this cache), remote (the record or a final
-        output came from the shared tier), or None when its blobs turn out unusable."""
-        key, record, source = found.key, found.record, found.tier
+    def _restore(self, stage: Stage, key: str, inputs: dict, record: dict, source: str) -> Optional[str]:
+        """Serve a record found for the key in tier `source`: restored (from this cache), remote (the
+        record or a final output came from the shared tier), or None when its blobs turn out unusable."""
         finals = record.get("finals", [])
         if not all(self.store.has_blob(record["outputs"][name]) for name in finals):
             source = "remote"
@@ -334,7 +333,7 @@ class Runner:
             return None
         status = "remote" if source == "remote" else "restored"
         self._write_stamp(stage, Stamp(
-            key=key, inputs=found.inputs, digest=record["digest"], outputs=record["outputs"], finals=finals,
+            key=key, inputs=inputs, digest=record["digest"], outputs=record["outputs"], finals=finals,
             value=record.get("value"), status=status, seconds=0.0, saved_seconds=record.get("seconds", 0.0),
             run=self.run_id,
         ))
