@@ -325,7 +325,7 @@ class Runner:
             source = "remote"
         try:
             for name in finals:
-                self.store.materialise(record["outputs"][name], self.config.build_dir / name)
+                self.store.fetch(record["outputs"][name], self.config.build_dir / name)
                 self.store.hasher.remember(self.config.build_dir / name, record["outputs"][name])
         except (CorruptBlob, MissingBlob) as e:
             terminal.warn(str(e))

@@ -41,7 +41,7 @@ from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
 from cudabuild.engine import diskcache_rows
 from cudabuild.engine.console import terminal
 from cudabuild.engine.diskcache_rows import Entry
-from cudabuild.engine.files import atomic_copy, atomic_write, temporary_file
+from cudabuild.engine.files import atomic_copy, temporary_file
 from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
 from cudabuild.engine.records import well_formed
 
@@ -166,34 +166,25 @@ class Store:
         return h.hexdigest()
 
     def fetch(self, sha: str, dest: os.PathLike | str) -> Path:
-        """Copy a blob to `dest` atomically, verifying its hash; a corrupt blob is dropped."""
-        self._ensure_local(sha)
+        """Put a blob's bytes at `dest` atomically (checked as verified_path checks them), by the
+        cheapest copy that shares no writable storage with the store (files.clone_file). A corrupt
+        blob is dropped and never replaces what dest held."""
         dest = Path(dest)
-
-        def write(out):
-            if self._hash_blob(sha, out) != sha:
-                self.drop_blob(sha)
-                raise CorruptBlob(sha, dest.name)
-
-        atomic_write(dest, write)  # a corrupt copy never replaces what dest held
+        dest.parent.mkdir(parents=True, exist_ok=True)  # as any atomic write does, whatever the check then finds
+        atomic_copy(self.verified_path(sha, for_name=dest.name), dest)
         return dest
 
-    def verified_path(self, sha: str) -> Path:
+    def verified_path(self, sha: str, for_name: Optional[str] = None) -> Path:
         """The blob's own file in the store, its bytes checked against `sha`: to read or map, never
         to write. The check is remembered under the file's stat signature (the hash memo), so a
-        blob of gigabytes is re-hashed once per change of its file, not on every read."""
+        blob of gigabytes is re-hashed once per change of its file, not on every read. `for_name`:
+        what the blob is for, in the error when it is corrupt (default: its file here)."""
         self._ensure_local(sha)
         path = self.blob_path(sha)  # MissingBlob when it is gone
         if self.hasher(path) != sha:
             self.drop_blob(sha)
-            raise CorruptBlob(sha, path.name)
+            raise CorruptBlob(sha, for_name or path.name)
         return path
-
-    def materialise(self, sha: str, dest: os.PathLike | str) -> str:
-        """Put a blob's bytes at `dest` atomically (checked as verified_path checks them), by the
-        cheapest copy that shares no writable storage with the store (files.clone_file). Returns
-        how: "reflink" or "copy"."""
-        return atomic_copy(self.verified_path(sha), Path(dest))
 
     def read_bytes(self, sha: str) -> bytes:
         self._ensure_local(sha)
