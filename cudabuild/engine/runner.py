@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import gc
 import importlib
 import itertools
 import json
@@ -44,10 +43,6 @@ from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage,
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
 from cudabuild.engine.store import Store
-
-# A stage whose resident memory grew more than this is followed by a full garbage collection.
-COLLECT_AFTER_GROWTH = 256 << 20
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -350,14 +345,10 @@ class Runner:
                     start = time.monotonic()
                     with trace.phase("run"), memory.PeakSampler() as sampled:
                         result: StageResult = module.run(ctx)
-                    # Stage code leaves object graphs with reference cycles behind (fx graphs,
-                    # ExecuTorch programs), and with them mapped weights or buffers of gigabytes:
-                    # collect them now, before the next stage (here, or let in beside) adds its own.
-                    # A full collection costs 0.1-0.3 s with torch loaded, so only after a stage
-                    # that held much more than it started with (where /proc cannot say, always).
-                    grown = sampled.grown()
-                    if grown is None or grown > COLLECT_AFTER_GROWTH:
-                        gc.collect()
+                    # What the stage left behind is collected now, before the next stage (here, or
+                    # let in beside) adds its own: after a stage that held much more than it started
+                    # with (where /proc cannot say, always).
+                    memory.collect_if_worth(sampled.grown())
             with trace.phase("store writes"):
                 outputs = {name: self.store.put_file(path, result.known.get(name)) for name, path in sorted(result.files.items())}
                 outputs.update(self._stored(stage, result.stored))
