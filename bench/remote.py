@@ -8,7 +8,7 @@ free loopback ports, with their data in a tmp dir, and stops them afterwards. Ev
 share one inductor directory, as machines with the default one would.
 
 1. Transfer: one builder process uploads a blob of --blob-gb GB (from a file) to the object store
-   and downloads it back (into a file), through s3_blobs. Prints MB/s each way and the process's
+   and downloads it back (into a file), through tiers.s3.blobs. Prints MB/s each way and the process's
    peak RSS, also for a 256 MB blob: the goal is <= 200 MB whatever the blob's size.
 2. Tiers: (a) cold: empty tiers (records on Redis, blobs in S3), the build writes every stage back.
    Then fresh machines (empty local caches) restore it all: (b) from Redis + S3, (c) from the object
@@ -216,7 +216,7 @@ def main() -> None:
         # 1. transfer
         down_rate = None
         if args.blob_gb > 0:
-            print("1. one blob up and down through s3_blobs (streamed parts), in a builder process:")
+            print("1. one blob up and down through tiers.s3.blobs (streamed parts), in a builder process:")
             for size in (256 * 10**6, int(args.blob_gb * 10**9)):
                 t = transfer(work, weed.url("transfer"), base, size)
                 down_rate = size / t["down"]

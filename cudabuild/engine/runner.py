@@ -13,7 +13,7 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
    the record, then the stamp. An output that was needed but turns out corrupt or missing makes
    its producer run again, never served.
    `remote`: like restored, but the record or a final output came from the shared tier
-   ($CUDABUILD_REMOTE, see remote.py); a stage that ran is written back to that tier.
+   ($CUDABUILD_REMOTE, see cudabuild.engine.tiers); a stage that ran is written back to that tier.
 Execution of one key is serialised across processes with an flock, so two builds sharing a cache
 never compile the same key at the same time; the second one restores what the first stored. With
 a shared tier, a lease there does the same across machines (see `_claim`).
