@@ -1,15 +1,17 @@
 """Why a stage runs, in words: differences between stage-input dicts, and `cudabuild explain`'s
 forecast of what the next `doit export` would do with each stage of a build.
 
-`reason(old, new)` is what runner.py records in a stamp when a stage runs (`spec max_autotune:
-OFF -> ON`, `source recipes/x.py changed`, `toolchain triton: 3.6.0 -> 3.7.1`). `forecast(runner)`
+`reason(old, new, pipeline)` is what runner.py records in a stamp when a stage runs (`spec
+max_autotune: OFF -> ON`, `source recipes/x.py changed`, `toolchain triton: 3.6.0 -> 3.7.1`; the
+pipeline says which upstream stage an input is the result of). `forecast(runner)`
 asks Runner.decide, the one up-to-date decision a build makes, about each stage, with predicted
 upstream results and a store lookup that changes nothing, and words the verdicts. A key depends on
 upstream results; where an upstream will run, its result is `Pending` and the forecast says what
 it waits on instead of guessing.
 
-Must not import torch, executorch or doit, nor write to build/ or the store (loading the config
-may refresh the store's file-hash and recipe-description memos, as any build does).
+Must not import torch, executorch or doit, nor the runner (it is handed one), nor write to build/
+or the store (loading the config may refresh the store's file-hash and recipe-description memos,
+as any build does).
 """
 
 from __future__ import annotations
