@@ -238,6 +238,13 @@ class Tier(abc.ABC):
         # What crossed the wire, read by `cache stats` and the benchmarks.
         self.stats = {"records_in": 0, "records_out": 0, "blobs_in": 0, "blobs_out": 0, "bytes_in": 0, "bytes_out": 0}
 
+    def _unsealed(self, key: str, raw) -> Optional[dict]:
+        """The record in an envelope read from the server (see unseal), counted as one in."""
+        record = unseal(key, raw, self.secret, self.where, self.warn_once)
+        if record is not None:
+            self.stats["records_in"] += 1
+        return record
+
     @property
     @abc.abstractmethod
     def writable(self) -> bool:

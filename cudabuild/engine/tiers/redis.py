@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from cudabuild.errors import one_line
 from cudabuild.engine.tiers.base import (MODE_ENV, POLL_SECONDS, REMOTE_ENV, UNREACHABLE, BlobStore, Degrading, Lease,
-                                         NoLease, Tier, lease_token, mib, redact, seal, unseal, warn_stderr)
+                                         NoLease, Tier, lease_token, mib, redact, seal, warn_stderr)
 
 PREFIX = "cudabuild:"
 CHUNK_BYTES = 4 << 20
@@ -247,10 +247,7 @@ class RedisTier(Degrading, Tier):
         raw = self._call("record lookup", lambda r: r.get(self._rec_key(key)))
         if raw is UNREACHABLE or raw is None:
             return None
-        record = unseal(key, raw, self.secret, self.where, self.warn_once)
-        if record is not None:
-            self.stats["records_in"] += 1
-        return record
+        return self._unsealed(key, raw)
 
     def put_record(self, key: str, record: dict) -> bool:
         """Publish a record; call it only once every blob it names is in the tier."""

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from typing import Callable, Optional
 
-from cudabuild.engine.tiers.base import POLL_SECONDS, Lease, NoLease, Tier, lease_token, seal, unseal, warn_stderr
+from cudabuild.engine.tiers.base import POLL_SECONDS, Lease, NoLease, Tier, lease_token, seal, warn_stderr
 from cudabuild.engine.tiers.s3.blobs import S3Blobs
 from cudabuild.engine.tiers.s3.client import MISSING, NOT_IMPLEMENTED, PRECONDITION, UNREACHABLE, Bucket, Refused
 
@@ -76,10 +76,7 @@ class S3Tier(Tier):
         found = self.records.get_small(self._rec_key(key), "record lookup")
         if found is UNREACHABLE or found is None:
             return None
-        record = unseal(key, found[0], self.secret, self.where, self.warn_once)
-        if record is not None:
-            self.stats["records_in"] += 1
-        return record
+        return self._unsealed(key, found[0])
 
     def put_record(self, key: str, record: dict) -> bool:
         """Publish a record; call it only once every blob it names is in the tier."""
