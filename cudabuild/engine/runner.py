@@ -44,6 +44,7 @@ from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
 from cudabuild.engine.store import Store
 
+
 @dataclass(frozen=True)
 class Decision:
     """Where a stage stands, decided once (Runner.decide) for every caller.
