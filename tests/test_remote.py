@@ -1,4 +1,5 @@
-"""cudabuild.engine.tiers (redis.py, base.py, factory.py) and the shared tier end to end, against a real redis-server on loopback.
+"""The Redis tier (cudabuild.engine.tiers: redis.py, base.py, factory.py) and the shared tier end
+to end, against a real redis-server on loopback.
 
 Each test gets its own server (a free 127.0.0.1 port, no persistence, in a tmp dir, killed at
 teardown). The end-to-end tests seed Redis from the session's one real tiny_lm build (its local

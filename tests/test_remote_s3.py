@@ -1,4 +1,5 @@
-"""Blobs in an S3-compatible object store (cudabuild.engine.tiers.s3: client, blobs, tier, gc), against a real one.
+"""Blobs in an S3-compatible object store (cudabuild.engine.tiers.s3: client, blobs, tier, gc),
+against a real one.
 
 The server is SeaweedFS's `weed server -s3` on loopback, one per session (tests/_s3_server.py);
 each test works under a fresh prefix of the bucket `cudabuild-cache`. The end-to-end tests seed the
