@@ -268,9 +268,10 @@ class Runner:
         span["key"] = key
         if decision.verdict == "cached":
             return self._note(stage, "cached")
-        restored = decision.verdict == "restorable" and self._restore(stage, key, inputs, decision.record, decision.tier)
-        if restored:
-            return self._note(stage, restored)
+        if decision.verdict == "restorable":
+            status = self._restore(stage, key, inputs, decision.record, decision.tier)
+            if status:
+                return self._note(stage, status)
         with self._key_lock(key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
