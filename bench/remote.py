@@ -8,7 +8,7 @@ free loopback ports, with their data in a tmp dir, and stops them afterwards. Ev
 share one inductor directory, as machines with the default one would.
 
 1. Transfer: one builder process uploads a blob of --blob-gb GB (from a file) to the object store
-   and downloads it back (into a file), through s3_blobs. Prints MB/s each way and the process's
+   and downloads it back (into a file), through tiers.s3.blobs. Prints MB/s each way and the process's
    peak RSS, also for a 256 MB blob: the goal is <= 200 MB whatever the blob's size.
 2. Tiers: (a) cold: empty tiers (records on Redis, blobs in S3), the build writes every stage back.
    Then fresh machines (empty local caches) restore it all: (b) from Redis + S3, (c) from the object
@@ -103,8 +103,8 @@ def mib(n: float) -> str:
 
 TRANSFER = textwrap.dedent("""
     import json, resource, sys, time
-    from cudabuild.engine.s3_blobs import S3Blobs
-    from cudabuild.engine.s3_client import Bucket
+    from cudabuild.engine.tiers.s3.blobs import S3Blobs
+    from cudabuild.engine.tiers.s3.client import Bucket
     url, source, sha, dest = sys.argv[1:5]
     warnings = []
     blobs = S3Blobs(Bucket(url, warn=warnings.append))
@@ -216,7 +216,7 @@ def main() -> None:
         # 1. transfer
         down_rate = None
         if args.blob_gb > 0:
-            print("1. one blob up and down through s3_blobs (streamed parts), in a builder process:")
+            print("1. one blob up and down through tiers.s3.blobs (streamed parts), in a builder process:")
             for size in (256 * 10**6, int(args.blob_gb * 10**9)):
                 t = transfer(work, weed.url("transfer"), base, size)
                 down_rate = size / t["down"]
@@ -237,7 +237,7 @@ def main() -> None:
             env = dict(base, **tiers, CUDABUILD_CACHE_DIR=str(home / "cache"), CUDABUILD_PROJECT=str(project))
             if i >= 2:  # seed this tier from the cold build's local cache
                 seeded = subprocess.run([sys.executable, "-c", "from cudabuild.engine.store import Store\n"
-                                         "from cudabuild.engine.remote import push_store\nprint(push_store(Store()))"],
+                                         "from cudabuild.engine.tiers.base import push_store\nprint(push_store(Store()))"],
                                         cwd=ROOT, capture_output=True, text=True,
                                         env=dict(env, CUDABUILD_CACHE_DIR=str(work / "case0" / "cache")))
                 if seeded.returncode != 0:

@@ -142,7 +142,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from cudabuild.engine import report
+    from cudabuild.engine.console import report
     from cudabuild.engine.files import atomic_write_text
     from cudabuild.engine.store import Store
 
@@ -172,9 +172,9 @@ def cmd_cache(args) -> int:
     if args.cache_command is None:
         raise UsageError("cache needs a command: stats, verify or gc (see cudabuild cache --help)")
     if args.cache_command == "gc" and args.remote:
-        from cudabuild.engine import s3_gc
+        from cudabuild.engine.tiers.s3 import gc as remote_gc
 
-        print("\n".join(s3_gc.command(args.max_size, args.keep_days, args.dry_run)))
+        print("\n".join(remote_gc.command(args.max_size, args.keep_days, args.dry_run)))
         return 0
     if args.cache_command == "gc":
         raw = args.max_size or os.environ.get(MAX_SIZE_ENV, "").strip() or None
@@ -186,9 +186,7 @@ def cmd_cache(args) -> int:
         if args.cache_command == "stats":
             lines = cache_admin.stats(store, args.last).lines(store.root)
             if store.remote is not None:  # the shared tier: where it is and what it holds
-                from cudabuild.engine.remote import describe
-
-                lines += describe(store.remote)
+                lines += store.remote.describe()
             status = 0
         elif args.cache_command == "verify":
             report = cache_admin.verify(store, _project())

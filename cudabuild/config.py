@@ -17,6 +17,8 @@ from cudabuild import registry
 from cudabuild.errors import InvalidOption, UnknownTarget
 from cudabuild.specs import SPEC_TABLE, merge_method_specs
 from cudabuild.backend.toolchain import resolve_target
+from cudabuild.engine.graph import Pipeline
+from cudabuild.pipeline import PIPELINE
 
 DEFAULT_MODEL = "qwen_moe"
 RESERVED = ("model", "target", "models", "targets", "autotune")
@@ -24,6 +26,9 @@ RESERVED = ("model", "target", "models", "targets", "autotune")
 
 @dataclass(frozen=True)
 class BuildConfig:
+    """One build, as the engine takes it (cudabuild.engine.graph.Build) and more: the recipe's
+    description, the target's note, the autotune mode."""
+
     project: Path
     model: str
     target: str
@@ -46,6 +51,10 @@ class BuildConfig:
     def checkpoint(self) -> Optional[Path]:
         value = self.options.get("checkpoint")
         return Path(value).expanduser().resolve() if value else None
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return PIPELINE  # every build lowers through the one CUDA pipeline
 
 
 class InvalidConfig(InvalidOption):

@@ -24,12 +24,13 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from cudabuild.engine import console, nightly, reporter, trace, workers
+from cudabuild.engine import nightly, workers
+from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
 from cudabuild.errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines, one_line
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.registry import list_models
-from cudabuild.engine.reporter import CudabuildReporter, failure_lines, print_summary
+from cudabuild.engine.console.progress import CudabuildReporter, failure_lines, print_summary
 from cudabuild.engine.runner import Runner
 from cudabuild.engine.store import Store
 from cudabuild.backend.tuning import pin_autotune
@@ -142,7 +143,7 @@ def make_runner(cli: dict[str, str]) -> Runner:
     config = load_config(project_root(), cli, store)
     if config.target_note:
         print(config.target_note, file=sys.stderr)
-    return Runner(config, store, RUN_ID, capture_output=not console.streaming(), workers=WORKERS)
+    return Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS)
 
 
 def _stage_action(runner: Runner, stage):
@@ -167,7 +168,7 @@ def _expected_seconds(task_name: str):
     return runner.expected_seconds(stage) if runner is not None else None
 
 
-reporter.set_expectations(_expected_seconds)
+progress.set_expectations(_expected_seconds)
 
 
 def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
@@ -260,7 +261,7 @@ def task_nightly():
             if config.target_note and config.target_note not in notes:
                 notes.add(config.target_note)
                 print(config.target_note, file=sys.stderr)
-            runner = Runner(config, store, RUN_ID, capture_output=not console.streaming(), workers=WORKERS)
+            runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS)
             builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 
     for build, (runner, _) in builds.items():

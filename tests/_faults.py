@@ -24,6 +24,7 @@ import pytest
 from _kill_hook import MARKER
 from conftest import Project
 
+from cudabuild.engine import diskcache_rows
 from cudabuild.engine.store import Store
 
 MODEL, TARGET = "tiny_lm", "cpu"
@@ -86,11 +87,9 @@ def orphan_blob_files(project: Project) -> set[Path]:
     """Files in diskcache's directory that no row of its Cache table names."""
     store = Store(project.cache)
     try:
-        named = {row[0] for row in store.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
-        directory = Path(store.cache.directory)
+        return set(diskcache_rows.unnamed_files(store.cache))
     finally:
         store.close()
-    return {path for path in blob_files(project) if path.relative_to(directory).as_posix() not in named}
 
 
 # -- builds in the background -------------------------------------------------------------------

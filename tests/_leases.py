@@ -9,7 +9,7 @@ import textwrap
 import time
 
 from conftest import REPO
-from cudabuild.engine import remote
+from cudabuild.engine.tiers import base
 
 
 @contextlib.contextmanager
@@ -35,8 +35,8 @@ def assert_taken_over_when_the_holder_dies(tier, holder, *, wait: float, lapse_u
     tier.wait_for_result("K", deadline=died + wait)
     lapsed = time.monotonic() - died
     lease = tier.try_lease("K")
-    assert isinstance(lease, remote.Lease) and lapsed < lapse_under
+    assert isinstance(lease, base.Lease) and lapsed < lapse_under
     with lease:
         assert tier.try_lease("K") is None
     assert released(), "released on exit"
-    assert isinstance(tier.try_lease("K"), remote.Lease)
+    assert isinstance(tier.try_lease("K"), base.Lease)

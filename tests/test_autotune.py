@@ -22,7 +22,7 @@ def compile_value(project, method="decode"):
 
 
 def compile_log(project) -> str:
-    """What compile.decode's last run printed (cudabuild.engine.console sends it to the stage's log)."""
+    """What compile.decode's last run printed (cudabuild.engine.console.terminal sends it to the stage's log)."""
     return (project.build_dir / "logs" / "compile.decode.log").read_text()
 
 

@@ -1,5 +1,5 @@
 """The console shows cudabuild's progress and summary only; what libraries print while a stage runs
-goes to that stage's log, and a failed stage points at its log (cudabuild.engine.console, reporter)."""
+goes to that stage's log, and a failed stage points at its log (cudabuild.engine.console: terminal, progress)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 
 from conftest import REPO, tiny_build_output, broken_recipe_text
 
-from cudabuild.engine import console
-from cudabuild.engine.reporter import LiveProgress, PlainProgress, live_terminal
+from cudabuild.engine.console import terminal as console
+from cudabuild.engine.console.progress import LiveProgress, PlainProgress, live_terminal
 
 THIRD_PARTY = re.compile(r"Warning:|Failed to load|^[WI]\d{4} \d\d:\d\d|AUTOTUNE")
 
@@ -62,7 +62,7 @@ def test_capture_takes_fd_level_output_and_the_console_still_reaches_the_termina
     script = textwrap.dedent(f"""
         import os, sys, warnings, logging
         sys.path.insert(0, {str(REPO)!r})
-        from cudabuild.engine import console
+        from cudabuild.engine.console import terminal as console
         with console.capture(__import__('pathlib').Path({str(log)!r})):
             print('python print')
             os.write(1, b'fd one\\n')

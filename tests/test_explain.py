@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -10,7 +11,11 @@ import pytest
 
 from _fixtures_cli import BUILD, SPEC_CHANGE, scripted_builds, tiny_lm_build
 from cudabuild.backend.toolchain import predict_probe_value
-from cudabuild.engine.explain import Pending, graph_difference, reason
+from cudabuild.engine import explain
+from cudabuild.engine.explain import Pending, graph_difference
+from cudabuild.pipeline import PIPELINE
+
+reason = functools.partial(explain.reason, pipeline=PIPELINE)  # the engine is handed its stage table
 
 EDGE = {"stage": "edge", "version": 1, "target": "cpu", "method": "decode", "graph": "a" * 64,
         "specs": {"triton_kernel_mode": "OFF"}, "toolchain": {"torch": "2.13.0", "triton": "3.6.0"}}

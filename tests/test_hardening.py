@@ -402,7 +402,7 @@ def test_fallback_kernels_the_cuda_runtime_lacks_are_named_in_one_line(built_tin
 
     from cudabuild.errors import CompileFailed, one_line
     from cudabuild.backend.fallbacks import check_cuda_fallbacks
-    from cudabuild.engine.reporter import CudabuildReporter
+    from cudabuild.engine.console.progress import CudabuildReporter
 
     # The fallbacks a real compile emitted (CPU shims, none of which the CUDA runtime provides).
     emitted = set(stamp(built_tiny, "compile.decode")["value"]["fallback_kernels"])

@@ -1,8 +1,9 @@
-"""cudabuild.engine.remote and the shared tier end to end, against a real redis-server on loopback.
+"""The Redis tier (cudabuild.engine.tiers: redis.py, base.py, factory.py) and the shared tier end
+to end, against a real redis-server on loopback.
 
 Each test gets its own server (a free 127.0.0.1 port, no persistence, in a tmp dir, killed at
 teardown). The end-to-end tests seed Redis from the session's one real tiny_lm build (its local
-cache pushed with remote.push_store) and build in fresh projects with empty caches, so no test
+cache pushed with base.push_store) and build in fresh projects with empty caches, so no test
 here runs a whole cold build of its own; the two that compile, compile one method.
 """
 
@@ -25,8 +26,9 @@ import pytest
 from _leases import assert_taken_over_when_the_holder_dies, holder_process
 
 from conftest import Project, assert_ok, new_project
-from cudabuild.engine import remote
-from cudabuild.engine.remote import RedisTier, push_store
+from cudabuild.engine.tiers import base, factory
+from cudabuild.engine.tiers.base import push_store
+from cudabuild.engine.tiers.redis import RedisTier
 from cudabuild.engine.store import Store
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -86,7 +88,7 @@ def server(tmp_path):
 @pytest.fixture(autouse=True)
 def no_ambient_remote(monkeypatch):
     """A developer's own CUDABUILD_REMOTE must not reach these tests' stores."""
-    for name in (remote.REMOTE_ENV, remote.KEY_ENV, remote.MODE_ENV, remote.LEASE_ENV, remote.WAIT_ENV):
+    for name in (base.REMOTE_ENV, base.KEY_ENV, base.MODE_ENV, base.LEASE_ENV, base.WAIT_ENV):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -216,7 +218,7 @@ def test_record_naming_paths_outside_build_is_ignored(server):
 def test_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies(server):
     with holder_process(f"""
         import time
-        from cudabuild.engine.remote import RedisTier
+        from cudabuild.engine.tiers.redis import RedisTier
         lease = RedisTier("{server.url}", lease_seconds=1.0).try_lease("K")
         with lease:
             print("held", flush=True)
@@ -237,7 +239,7 @@ def test_read_only_tier_never_writes(server):
     data = b"x" * 100
     assert not reader.put_blob(hashlib.sha256(data).hexdigest(), io.BytesIO(data))
     assert not reader.put_record("k2", RECORD)
-    assert isinstance(reader.try_lease("K"), remote.NoLease)  # nobody holds it: build, without a lease
+    assert isinstance(reader.try_lease("K"), base.NoLease)  # nobody holds it: build, without a lease
     assert reader.get_record("k") == RECORD
     assert sorted(r.keys("*")) == before
 
@@ -249,7 +251,7 @@ def test_unreachable_redis_costs_one_warning_and_little_time():
     for i in range(50):
         assert tier.get_record(f"k{i}") is None and not tier.has_blobs(["a" * 64])
         assert not tier.put_record(f"k{i}", RECORD)
-        assert isinstance(tier.try_lease(f"k{i}"), remote.NoLease)
+        assert isinstance(tier.try_lease(f"k{i}"), base.NoLease)
     assert time.monotonic() - start < 5
     assert len(warnings) == 1 and "continuing with the local cache only" in warnings[0]
 
@@ -258,10 +260,10 @@ def test_settings_are_checked_together():
     from cudabuild.errors import InvalidRemote
 
     with pytest.raises(InvalidRemote, match=r"not a Redis URL.*; CUDABUILD_REMOTE_MODE=sometimes: expected read-write or read-only"):
-        remote.from_env({"CUDABUILD_REMOTE": "http://cache:80", "CUDABUILD_REMOTE_MODE": "sometimes"})
-    tier = remote.from_env({"CUDABUILD_REMOTE": "redis://:pw@127.0.0.1:1/2", "CUDABUILD_REMOTE_MODE": "read-only"})
+        factory.from_env({"CUDABUILD_REMOTE": "http://cache:80", "CUDABUILD_REMOTE_MODE": "sometimes"})
+    tier = factory.from_env({"CUDABUILD_REMOTE": "redis://:pw@127.0.0.1:1/2", "CUDABUILD_REMOTE_MODE": "read-only"})
     assert tier.read_only and not tier.writable and tier.where == "redis://:***@127.0.0.1:1/2"
-    assert remote.from_env({}) is None
+    assert factory.from_env({}) is None
 
 
 def test_compile_environment_shares_inductor_autotuning(monkeypatch, tmp_path):
@@ -293,7 +295,7 @@ def test_no_op_with_remote_set_touches_no_network_and_no_redis(built_tiny, tmp_p
     result = proj.doit("export", *BUILD, env=proj.env(CUDABUILD_REMOTE=dead, PYTHONPROFILEIMPORTTIME="1"))
     assert_ok(result)
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "cudabuild.engine.remote" in imported and "redis" not in imported and "torch" not in imported
+    assert "cudabuild.engine.tiers.factory" in imported and "redis" not in imported and "torch" not in imported
     assert set(proj.statuses().values()) == {"cached"} and not warning_lines(result)
 
 

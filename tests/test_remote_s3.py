@@ -1,8 +1,9 @@
-"""Blobs in an S3-compatible object store (s3_client, s3_blobs, s3_tier, s3_gc), against a real one.
+"""Blobs in an S3-compatible object store (cudabuild.engine.tiers.s3: client, blobs, tier, gc),
+against a real one.
 
 The server is SeaweedFS's `weed server -s3` on loopback, one per session (tests/_s3_server.py);
 each test works under a fresh prefix of the bucket `cudabuild-cache`. The end-to-end tests seed the
-tiers from the session's one real tiny_lm build (remote.push_store) and build in fresh projects with
+tiers from the session's one real tiny_lm build (base.push_store) and build in fresh projects with
 empty caches, like tests/test_remote.py does for Redis; none runs a whole cold build.
 """
 
@@ -23,17 +24,18 @@ from _leases import assert_taken_over_when_the_holder_dies, holder_process
 
 from _s3_server import BUCKET, free_port
 from conftest import REPO
-from cudabuild.engine import remote
-from cudabuild.engine.s3_blobs import S3Blobs
-from cudabuild.engine.s3_client import Bucket
-from cudabuild.engine.s3_tier import S3Tier
+from cudabuild.engine.tiers import base, factory
+from cudabuild.engine.tiers.redis import RedisTier
+from cudabuild.engine.tiers.s3.blobs import S3Blobs
+from cudabuild.engine.tiers.s3.client import Bucket
+from cudabuild.engine.tiers.s3.tier import S3Tier
 
 
 @pytest.fixture(autouse=True)
 def no_ambient_remote(monkeypatch):
     """A developer's own CUDABUILD_REMOTE or AWS settings must not reach these tests' stores."""
-    for name in (remote.REMOTE_ENV, remote.BLOBS_ENV, remote.KEY_ENV, remote.MODE_ENV, remote.LEASE_ENV,
-                 remote.WAIT_ENV):
+    for name in (base.REMOTE_ENV, base.BLOBS_ENV, base.KEY_ENV, base.MODE_ENV, base.LEASE_ENV,
+                 base.WAIT_ENV):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -130,13 +132,13 @@ def test_settings_are_checked_together():
 
     with pytest.raises(InvalidRemote, match=r"CUDABUILD_REMOTE_BLOBS=redis://x:1/0 is not an s3:// URL.*"
                                             r"CUDABUILD_REMOTE_MODE=never"):
-        remote.from_env({"CUDABUILD_REMOTE": "redis://127.0.0.1:1/0", "CUDABUILD_REMOTE_BLOBS": "redis://x:1/0",
+        factory.from_env({"CUDABUILD_REMOTE": "redis://127.0.0.1:1/0", "CUDABUILD_REMOTE_BLOBS": "redis://x:1/0",
                          "CUDABUILD_REMOTE_MODE": "never"})
     with pytest.raises(InvalidRemote, match=r"CUDABUILD_REMOTE=s3:///p is not an S3 URL"):
-        remote.from_env({"CUDABUILD_REMOTE": "s3:///p"})
-    hybrid = remote.from_env({"CUDABUILD_REMOTE": "redis://127.0.0.1:1/0", "CUDABUILD_REMOTE_BLOBS": "s3://b/p/"})
-    assert isinstance(hybrid, remote.RedisTier) and hybrid.where == "redis://127.0.0.1:1/0 (blobs in s3://b/p)"
-    assert remote.from_env({"CUDABUILD_REMOTE_BLOBS": "s3://b/p"}) is None  # blobs alone: no tier to hold records
+        factory.from_env({"CUDABUILD_REMOTE": "s3:///p"})
+    hybrid = factory.from_env({"CUDABUILD_REMOTE": "redis://127.0.0.1:1/0", "CUDABUILD_REMOTE_BLOBS": "s3://b/p/"})
+    assert isinstance(hybrid, RedisTier) and hybrid.where == "redis://127.0.0.1:1/0 (blobs in s3://b/p)"
+    assert factory.from_env({"CUDABUILD_REMOTE_BLOBS": "s3://b/p"}) is None  # blobs alone: no tier to hold records
 
 
 # -- object-store-only mode: records and leases as objects ----------------------------------------------
@@ -146,7 +148,7 @@ RECORD = {"stage": "package", "digest": "d" * 64, "outputs": {"model.pte": "a" *
 
 
 def s3_tier(url: str, warnings: list, **kw) -> S3Tier:
-    return remote.from_env({"CUDABUILD_REMOTE": url, **{k: str(v) for k, v in kw.items()}}, warn=warnings.append)
+    return factory.from_env({"CUDABUILD_REMOTE": url, **{k: str(v) for k, v in kw.items()}}, warn=warnings.append)
 
 
 def test_records_are_signed_and_checked_in_the_object_store(s3_env):
@@ -169,8 +171,8 @@ def test_object_store_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies
     url = s3_env.url("lease")
     with holder_process(f"""
         import time
-        from cudabuild.engine import remote
-        lease = remote.from_env({{"CUDABUILD_REMOTE": "{url}", "CUDABUILD_REMOTE_LEASE_SECONDS": "2"}}).try_lease("K")
+        from cudabuild.engine.tiers import factory
+        lease = factory.from_env({{"CUDABUILD_REMOTE": "{url}", "CUDABUILD_REMOTE_LEASE_SECONDS": "2"}}).try_lease("K")
         with lease:
             print(type(lease).__name__, flush=True)
             time.sleep(600)
@@ -187,8 +189,8 @@ def test_only_one_of_many_racing_builders_takes_a_lease(s3_env):
     url = s3_env.url("race")
     racer = textwrap.dedent(f"""
         import sys, time
-        from cudabuild.engine import remote
-        tier = remote.from_env({{"CUDABUILD_REMOTE": "{url}"}})
+        from cudabuild.engine.tiers import factory
+        tier = factory.from_env({{"CUDABUILD_REMOTE": "{url}"}})
         tier._conditional_writes_work()
         while time.time() < float(sys.argv[1]):
             pass
@@ -208,7 +210,7 @@ def test_read_only_object_store_tier_never_writes(s3_env):
     reader = s3_tier(url, [], CUDABUILD_REMOTE_MODE="read-only")
     data = b"x" * 100
     assert not reader.put_blob(sha_of(data), io.BytesIO(data)) and not reader.put_record("k2", RECORD)
-    assert isinstance(reader.try_lease("K"), remote.NoLease) and reader.get_record("k") == RECORD
+    assert isinstance(reader.try_lease("K"), base.NoLease) and reader.get_record("k") == RECORD
     assert s3_env.keys(url) == before
 
 
@@ -222,7 +224,7 @@ from test_remote import BUILD, STAGES, forget_locally, server, sha_file, stamp_k
 def seed(project: Project, tier) -> int:
     store = Store(project.cache)
     try:
-        return remote.push_store(store, tier)
+        return base.push_store(store, tier)
     finally:
         store.close()
 
@@ -239,7 +241,7 @@ def test_no_op_with_s3_tiers_set_makes_no_network_call_and_imports_no_boto3(buil
         result = proj.doit("export", *BUILD, env=proj.env(AWS_ENDPOINT_URL=dead, PYTHONPROFILEIMPORTTIME="1", **tiers))
         assert_ok(result)
         imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-        assert "cudabuild.engine.remote" in imported
+        assert "cudabuild.engine.tiers.factory" in imported
         assert not imported & {"boto3", "botocore", "redis", "torch"}
         assert set(proj.statuses().values()) == {"cached"} and not warning_lines(result)
 
@@ -250,7 +252,7 @@ def test_fresh_machine_builds_from_redis_records_and_s3_blobs(built_tiny, server
         monkeypatch.setenv(name, value)
     blobs = s3_server.url("hybrid")
     tiers = {"CUDABUILD_REMOTE": server.url, "CUDABUILD_REMOTE_BLOBS": blobs}
-    assert seed(built_tiny, remote.from_env(tiers)) == len(STAGES)
+    assert seed(built_tiny, factory.from_env(tiers)) == len(STAGES)
     r = server.client()
     assert not r.keys("cudabuild:chunk:*") and not r.keys("cudabuild:blob:*")  # blobs went to S3, records to Redis
     assert len(r.keys("cudabuild:rec:*")) == len(STAGES) + 1  # and what the recipe declares (Store.SHARED_DOCS)
@@ -279,7 +281,7 @@ def test_fresh_machine_builds_from_redis_records_and_s3_blobs(built_tiny, server
 def test_object_store_only_rejects_a_corrupt_blob_and_a_badly_signed_record(built_tiny, s3_env, tmp_path):
     url = s3_env.url("only")
     tiers = {"CUDABUILD_REMOTE": url, "CUDABUILD_REMOTE_KEY": "fleet"}
-    seed(built_tiny, remote.from_env(tiers))
+    seed(built_tiny, factory.from_env(tiers))
     prefix = url.split("/", 3)[3]
     client = s3_env.client()
     probe = f"{prefix}/rec/{stamp_key(built_tiny, 'probe')}"
@@ -298,7 +300,7 @@ def test_object_store_only_rejects_a_corrupt_blob_and_a_badly_signed_record(buil
     assert all(statuses[s] == "remote" for s in STAGES if s not in ("probe", "package")), statuses
     assert len(warning_lines(result, "badly signed")) == 1 and len(warning_lines(result, pte[:12], "sha256")) == 1
     assert sha_file(fresh.root / "build/tiny_lm/cpu/model.pte") == pte  # rebuilt bit-identical...
-    again = remote.from_env(tiers)
+    again = factory.from_env(tiers)
     assert again.get_blob_to_file(pte, tmp_path / "again") and sha_file(tmp_path / "again") == pte  # ...and re-published
     assert again.get_record(stamp_key(built_tiny, "probe")) is not None  # the probe's record, signed again
     assert not any(k.startswith("lease/") for k in s3_env.keys(url))
@@ -307,7 +309,7 @@ def test_object_store_only_rejects_a_corrupt_blob_and_a_badly_signed_record(buil
 @pytest.mark.slow
 def test_read_only_builder_writes_nothing_to_the_object_store(built_tiny, s3_env, tmp_path):
     url = s3_env.url("read-only-build")
-    seed(built_tiny, remote.from_env({"CUDABUILD_REMOTE": url}))
+    seed(built_tiny, factory.from_env({"CUDABUILD_REMOTE": url}))
     s3_env.client().delete_object(Bucket=BUCKET, Key=f"{url.split('/', 3)[3]}/rec/{stamp_key(built_tiny, 'probe')}")
     before = s3_env.keys(url)
     fresh = new_project(tmp_path)
@@ -338,7 +340,7 @@ def test_unreachable_object_store_means_one_warning_and_a_local_build(built_tiny
 
 
 def test_gc_remote_evicts_least_recently_used_blobs_no_young_record_names(s3_env, tmp_path):
-    from cudabuild.engine.s3_gc import gc_remote
+    from cudabuild.engine.tiers.s3.gc import gc_remote
 
     url = s3_env.url("gc")
     tier = s3_tier(url, [])
@@ -379,10 +381,10 @@ def test_gc_remote_from_the_command_line(s3_env, tmp_path):
 
 
 def test_gc_remote_with_records_on_redis_keeps_blobs_a_recently_used_record_names(server, s3_env):
-    from cudabuild.engine.s3_gc import gc_remote
+    from cudabuild.engine.tiers.s3.gc import gc_remote
 
     blobs = s3_env.url("gc-hybrid")
-    tier = remote.from_env({"CUDABUILD_REMOTE": server.url, "CUDABUILD_REMOTE_BLOBS": blobs})
+    tier = factory.from_env({"CUDABUILD_REMOTE": server.url, "CUDABUILD_REMOTE_BLOBS": blobs})
     kept, dropped = os.urandom(2000), os.urandom(3000)
     for data in (kept, dropped):
         assert tier.put_blob(sha_of(data), io.BytesIO(data))

@@ -3,16 +3,19 @@ memoised by the shard's stat signature (engine.hashing.FileHasher), and explaine
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-from cudabuild.engine.explain import reason
+from cudabuild.engine import explain
 from cudabuild.engine.hashing import FileHasher
 from cudabuild.models import checkpoint
 from cudabuild.models.safetensors_parts import tensor_digests
+from cudabuild.pipeline import PIPELINE
 
 PARTS = {".safetensors": tensor_digests}
+reason = functools.partial(explain.reason, pipeline=PIPELINE)  # the engine is handed its stage table
 
 
 def write_shard(path, **tensors):

@@ -18,8 +18,8 @@ import pytest
 from _faults import BUILD_ARGS, assert_same_outputs, tmpfs
 from conftest import REPO, assert_ok
 from test_remote import server  # noqa: F401  (a real redis-server on loopback, for the remote tier)
-from cudabuild.engine import remote
-from cudabuild.engine.remote import RedisTier
+from cudabuild.engine.tiers import base
+from cudabuild.engine.tiers.redis import RedisTier
 from cudabuild.engine.store import Store
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
 
@@ -27,7 +27,7 @@ from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
 @pytest.fixture(autouse=True)
 def local_only(monkeypatch):
     """A developer's own CUDABUILD_REMOTE must not reach these stores; tests that want one set it."""
-    monkeypatch.delenv(remote.REMOTE_ENV, raising=False)
+    monkeypatch.delenv(base.REMOTE_ENV, raising=False)
 
 
 def _flip_a_byte(store: Store, sha: str) -> None:
@@ -138,7 +138,7 @@ def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server
     sha = hashlib.sha256(data).hexdigest()
     with open(source, "rb") as f:
         assert RedisTier(server.url, chunk_bytes=1 << 20).put_blob(sha, f)
-    monkeypatch.setenv(remote.REMOTE_ENV, server.url)
+    monkeypatch.setenv(base.REMOTE_ENV, server.url)
     store = Store(tmp_path / "cache")
     try:
         assert not store.has_blob(sha)

@@ -1,4 +1,4 @@
-"""Every build writes build/<model>/<target>/trace.json, a Chrome trace (cudabuild.engine.trace): a span
+"""Every build writes build/<model>/<target>/trace.json, a Chrome trace (cudabuild.engine.console.trace): a span
 per stage with its status and key, the phases that cost time inside them, and spans that account
 for the build's whole wall time."""
 
@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from cudabuild.engine.trace import Recorder, now_us, phase
+from cudabuild.engine.console.trace import Recorder, now_us, phase
 
 
 def spans(project) -> list[dict]:

@@ -2,7 +2,7 @@
 choice inductor selects by benchmark) and the C++ compile and link of the wrapper and kernels.
 
 A scoped patch of two inductor entry points, `AlgorithmSelectorCache.__call__` and
-`AotCodeCompiler.compile`, each wrapped in a `cudabuild.engine.trace.phase`; undone when the block ends,
+`AotCodeCompiler.compile`, each wrapped in a `cudabuild.engine.console.trace.phase`; undone when the block ends,
 also on error. Where this torch lacks one of them, that phase is just not shown: the timeline is a
 diagnostic and must never fail a compile. Backend half.
 """
@@ -13,7 +13,7 @@ import contextlib
 import functools
 from typing import Iterator
 
-from cudabuild.engine.trace import phase
+from cudabuild.engine.console.trace import phase
 
 
 def _entry_points() -> list[tuple[object, str, str]]:

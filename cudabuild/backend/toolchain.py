@@ -101,9 +101,9 @@ def probe(target: str) -> dict:
         result["cuda"] = _probe_cuda(torch)
     pairing = unsupported_pairing("executorch", "torch", torch.__version__)
     if pairing:
-        from cudabuild.engine import console
+        from cudabuild.engine.console import terminal
 
-        console.warn(pairing)
+        terminal.warn(pairing)
         result["notes"] = [pairing]
     return result
 

@@ -1,15 +1,17 @@
 """Why a stage runs, in words: differences between stage-input dicts, and `cudabuild explain`'s
 forecast of what the next `doit export` would do with each stage of a build.
 
-`reason(old, new)` is what runner.py records in a stamp when a stage runs (`spec max_autotune:
-OFF -> ON`, `source recipes/x.py changed`, `toolchain triton: 3.6.0 -> 3.7.1`). `forecast(runner)`
+`reason(old, new, pipeline)` is what runner.py records in a stamp when a stage runs (`spec
+max_autotune: OFF -> ON`, `source recipes/x.py changed`, `toolchain triton: 3.6.0 -> 3.7.1`; the
+pipeline says which upstream stage an input is the result of). `forecast(runner)`
 asks Runner.decide, the one up-to-date decision a build makes, about each stage, with predicted
 upstream results and a store lookup that changes nothing, and words the verdicts. A key depends on
 upstream results; where an upstream will run, its result is `Pending` and the forecast says what
 it waits on instead of guessing.
 
-Must not import torch, executorch or doit, nor write to build/ or the store (loading the config
-may refresh the store's file-hash and recipe-description memos, as any build does).
+Must not import torch, executorch or doit, nor the runner (it is handed one), nor write to build/
+or the store (loading the config may refresh the store's file-hash and recipe-description memos,
+as any build does).
 """
 
 from __future__ import annotations
@@ -63,12 +65,6 @@ def _verb(c: Change) -> str:
     return "added" if c.old is _MISSING else "removed" if c.new is _MISSING else "changed"
 
 
-def _pipeline() -> Pipeline:
-    from cudabuild.engine.runner import default_pipeline
-
-    return default_pipeline()
-
-
 def _toolchain_words(rest: tuple[str, ...], c: Change) -> str:
     if rest[:1] == ("packages",):
         rest = rest[1:]
@@ -78,8 +74,9 @@ def _toolchain_words(rest: tuple[str, ...], c: Change) -> str:
     return f"toolchain {name}: {_was(c)}"
 
 
-def describe(c: Change, inputs: dict, pipeline: Optional[Pipeline] = None) -> str:
-    """One change in words; `inputs` (the new ones) says which stage and method it belongs to."""
+def describe(c: Change, inputs: dict, pipeline: Pipeline) -> str:
+    """One change in words; `inputs` (the new ones) says which stage and method it belongs to, and
+    the pipeline which upstream stage an input names."""
     p = c.path
     root = p[0] if p else ""
     if c.old is _MISSING and c.new is None:  # an input this version of cudabuild added to the key
@@ -101,7 +98,7 @@ def describe(c: Change, inputs: dict, pipeline: Optional[Pipeline] = None) -> st
         return f"spec {p[1]}: {_was(c)}"
     if root == "methods" and len(p) == 4 and p[2] == "specs":
         return f"spec {p[1]}.{p[3]}: {_was(c)}"
-    upstream = (pipeline or _pipeline()).upstream_of(p, inputs)
+    upstream = pipeline.upstream_of(p, inputs)
     if upstream:
         what = _graph_name(upstream) if p[-1] == "graph" else f"result of {upstream}"
         return f"{what} changed ({_was(c)})"
@@ -123,7 +120,7 @@ def _join(words: list[str], most: int = 3) -> str:
     return "; ".join(words[:most]) + (f"; and {len(words) - most} more" if len(words) > most else "")
 
 
-def reason(old_inputs: dict | None, new_inputs: dict, pipeline: Optional[Pipeline] = None) -> str:
+def reason(old_inputs: dict | None, new_inputs: dict, pipeline: Pipeline) -> str:
     """One line: why a stage with these inputs must run, given the inputs it last ran with."""
     if old_inputs is None:
         return "not built here before, and no cached result"

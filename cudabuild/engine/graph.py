@@ -15,10 +15,25 @@ kind is one row there and one module under cudabuild.backend.stages. Nothing her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol
 
-if TYPE_CHECKING:
-    from cudabuild.config import BuildConfig
+
+class Build(Protocol):
+    """What the engine reads of one build: a plain description its caller fills in
+    (cudabuild.config.BuildConfig is one), so the engine imports nothing above itself to get it.
+    The rows' own functions (`params`, `runs_alone`, `device`) get the caller's object and may
+    read more of it than this."""
+
+    project: Path  # the project's root: recipes/, build/
+    model: str
+    target: str
+    methods: list[str]
+    options: Mapping[str, Any]  # the recipe's options, resolved
+    specs: Mapping[str, Mapping[str, str]]  # method -> {spec: value}
+    build_dir: Path  # build/<model>/<target>/: stamps, final outputs, logs, trace
+    checkpoint: Optional[Path]  # a checkpoint folder that enters export's key, or None
+    pipeline: Pipeline  # the table of stage kinds that builds it
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ ResultReader = Callable[[Stage], Optional[Result]]
 class KeyContext:
     """What a row's `params` may read to compute a stage's own key inputs, all without torch."""
 
-    config: BuildConfig
+    config: Build
     method: Optional[str]
     read: ResultReader
     fingerprint: Callable[[], dict]
@@ -110,15 +125,15 @@ class StageKind:
     # (config, method) -> why the stage must have the machine to itself (it times kernels on the
     # CPU), or None; and the accelerator it uses, which one stage at a time may use, or None
     # (see cudabuild.engine.workers).
-    runs_alone: Optional[Callable[[BuildConfig, Optional[str]], Optional[str]]] = None
-    device: Optional[Callable[[BuildConfig, Optional[str]], Optional[str]]] = None
+    runs_alone: Optional[Callable[[Build, Optional[str]], Optional[str]]] = None
+    device: Optional[Callable[[Build, Optional[str]], Optional[str]]] = None
     # Whether the stage's peak memory scales with its upstream outputs' bytes. Export's does not:
     # it scales with the model it builds, which only a checkpoint's size or its last run tells.
     memory_from_upstream: bool = True
     # config -> whether the build has this stage at all (a recipe that quantizes has a quantize
     # stage; others do not). A stage absent from a build is left out of its plan, and consumers
     # neither wait for it nor key on it: their keys are what they were without the row.
-    applies: Optional[Callable[[BuildConfig], bool]] = None
+    applies: Optional[Callable[[Build], bool]] = None
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -161,11 +176,11 @@ class Pipeline:
     def row(self, stage: Stage) -> StageKind:
         return self.rows[stage.kind]
 
-    def applies(self, kind: str, config: BuildConfig) -> bool:
+    def applies(self, kind: str, config: Build) -> bool:
         row = self.rows[kind]
         return row.applies is None or bool(row.applies(config))
 
-    def plan(self, config: BuildConfig) -> list[Stage]:
+    def plan(self, config: Build) -> list[Stage]:
         """Every stage of the build, in an order that respects dependencies (the table's order)."""
         stages: list[Stage] = []
         for row in self.rows.values():
@@ -174,7 +189,7 @@ class Pipeline:
             stages += [Stage(row.kind, m) for m in config.methods] if row.per_method else [Stage(row.kind)]
         return stages
 
-    def dependencies(self, stage: Stage, config: BuildConfig) -> list[Stage]:
+    def dependencies(self, stage: Stage, config: Build) -> list[Stage]:
         out: list[Stage] = []
         for name in self.row(stage).consumes:
             kind, scope = _parse(name)
@@ -189,7 +204,7 @@ class Pipeline:
     def final_outputs(self, stage: Stage) -> bool:
         return self.row(stage).final_outputs
 
-    def inputs(self, stage: Stage, config: BuildConfig, read: ResultReader, fingerprint: Callable[[], dict],
+    def inputs(self, stage: Stage, config: Build, read: ResultReader, fingerprint: Callable[[], dict],
                checkpoint_digest: Callable[..., Optional[dict]]) -> dict:
         """The JSON inputs whose digest is the stage's action key."""
         row = self.row(stage)

@@ -13,7 +13,7 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
    the record, then the stamp. An output that was needed but turns out corrupt or missing makes
    its producer run again, never served.
    `remote`: like restored, but the record or a final output came from the shared tier
-   ($CUDABUILD_REMOTE, see remote.py); a stage that ran is written back to that tier.
+   ($CUDABUILD_REMOTE, see cudabuild.engine.tiers); a stage that ran is written back to that tier.
 Execution of one key is serialised across processes with an flock, so two builds sharing a cache
 never compile the same key at the same time; the second one restores what the first stored. With
 a shared tier, a lease there does the same across machines (see `_claim`).
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import gc
 import importlib
 import itertools
 import json
@@ -35,25 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import cache_admin, console, memory, trace, workers
-from cudabuild.config import BuildConfig
+from cudabuild.engine import cache_admin, memory, workers
+from cudabuild.engine.console import terminal, trace
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.files import atomic_copy, atomic_write_text
-from cudabuild.engine.graph import Pipeline, Result, ResultReader, Stage, pending_in
+from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
 from cudabuild.engine.store import Store
-
-# A stage whose resident memory grew more than this is followed by a full garbage collection.
-COLLECT_AFTER_GROWTH = 256 << 20
-
-
-def default_pipeline() -> Pipeline:
-    # The table of stages joins the engine to the backend; the engine takes it as a parameter.
-    from cudabuild.pipeline import PIPELINE
-
-    return PIPELINE
 
 
 @dataclass(frozen=True)
@@ -94,13 +83,13 @@ class StageResult:
 
 @dataclass
 class StageContext:
-    config: BuildConfig
+    config: Build
     stage: Stage
     inputs: dict
     key: str
     workdir: Path
     runner: "Runner"
-    log: Callable[[str], None] = console.note
+    log: Callable[[str], None] = terminal.note
 
     @property
     def store(self) -> Store:
@@ -130,13 +119,12 @@ class StageContext:
 
 @dataclass
 class Runner:
-    config: BuildConfig
+    config: Build
     store: Store
     run_id: str
-    log: Callable[[str], None] = console.note
-    pipeline: Pipeline = field(default_factory=default_pipeline)
+    log: Callable[[str], None] = terminal.note
     statuses: dict = field(default_factory=dict)  # stage id -> status for this process
-    # Third-party output of a stage that runs goes to its log (cudabuild.engine.console), unless streamed.
+    # Third-party output of a stage that runs goes to its log (cudabuild.engine.console.terminal), unless streamed.
     capture_output: bool = True
     logs: dict = field(default_factory=dict)  # stage id -> the log this process's run of it wrote
     # How many stages this build runs at once (doit's worker processes): see cudabuild.engine.workers.
@@ -145,6 +133,10 @@ class Runner:
     _recorder: Optional[trace.Recorder] = None
     _started_in: int = field(default_factory=os.getpid)
     _startup_recorded: bool = False
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.config.pipeline
 
     # -- stamps ---------------------------------------------------------------------------------
 
@@ -261,7 +253,7 @@ class Runner:
         if not self.capture_output:
             return contextlib.nullcontext()
         self.logs[stage.id] = self.log_path(stage)
-        return console.capture(self.logs[stage.id])
+        return terminal.capture(self.logs[stage.id])
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -278,8 +270,10 @@ class Runner:
         span["key"] = key
         if decision.verdict == "cached":
             return self._note(stage, "cached")
-        if decision.verdict == "restorable" and (status := self._restore(stage, decision)):
-            return self._note(stage, status)
+        if decision.verdict == "restorable":
+            status = self._restore(stage, key, inputs, decision.record, decision.tier)
+            if status:
+                return self._note(stage, status)
         with self._key_lock(key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
@@ -305,8 +299,7 @@ class Runner:
             lease = remote.try_lease(key) if remote is not None else None
             # Restore after claiming: the holder may have published and let go since our last look.
             record, tier = self.store.find_record(key)
-            found = Decision(stage, "restorable", inputs, key, None, record, tier) if record is not None else None
-            if found is not None and (status := self._restore(stage, found)):
+            if record is not None and (status := self._restore(stage, key, inputs, record, tier)):
                 if lease is not None:
                     lease.release()
                 return status, None
@@ -323,24 +316,23 @@ class Runner:
         self.statuses[stage.id] = status
         return status
 
-    def _restore(self, stage: Stage, found: Decision) -> Optional[str]:
-        """Serve a restorable decision: restored (from this cache), remote (the record or a final
-        output came from the shared tier), or None when its blobs turn out unusable."""
-        key, record, source = found.key, found.record, found.tier
+    def _restore(self, stage: Stage, key: str, inputs: dict, record: dict, source: str) -> Optional[str]:
+        """Serve a record found for the key in tier `source`: restored (from this cache), remote (the
+        record or a final output came from the shared tier), or None when its blobs turn out unusable."""
         finals = record.get("finals", [])
         if not all(self.store.has_blob(record["outputs"][name]) for name in finals):
             source = "remote"
         try:
             for name in finals:
-                self.store.materialise(record["outputs"][name], self.config.build_dir / name)
+                self.store.fetch(record["outputs"][name], self.config.build_dir / name)
                 self.store.hasher.remember(self.config.build_dir / name, record["outputs"][name])
         except (CorruptBlob, MissingBlob) as e:
-            console.warn(str(e))
+            terminal.warn(str(e))
             self.store.drop_record(key)
             return None
         status = "remote" if source == "remote" else "restored"
         self._write_stamp(stage, Stamp(
-            key=key, inputs=found.inputs, digest=record["digest"], outputs=record["outputs"], finals=finals,
+            key=key, inputs=inputs, digest=record["digest"], outputs=record["outputs"], finals=finals,
             value=record.get("value"), status=status, seconds=0.0, saved_seconds=record.get("seconds", 0.0),
             run=self.run_id,
         ))
@@ -357,14 +349,10 @@ class Runner:
                     start = time.monotonic()
                     with trace.phase("run"), memory.PeakSampler() as sampled:
                         result: StageResult = module.run(ctx)
-                    # Stage code leaves object graphs with reference cycles behind (fx graphs,
-                    # ExecuTorch programs), and with them mapped weights or buffers of gigabytes:
-                    # collect them now, before the next stage (here, or let in beside) adds its own.
-                    # A full collection costs 0.1-0.3 s with torch loaded, so only after a stage
-                    # that held much more than it started with (where /proc cannot say, always).
-                    grown = sampled.grown()
-                    if grown is None or grown > COLLECT_AFTER_GROWTH:
-                        gc.collect()
+                    # What the stage left behind is collected now, before the next stage (here, or
+                    # let in beside) adds its own: after a stage that held much more than it started
+                    # with (where /proc cannot say, always).
+                    memory.collect_if_worth(sampled.grown())
             with trace.phase("store writes"):
                 outputs = {name: self.store.put_file(path, result.known.get(name)) for name, path in sorted(result.files.items())}
                 outputs.update(self._stored(stage, result.stored))
@@ -486,7 +474,7 @@ class Runner:
         try:
             return take(self._sha_of(stage, name))
         except (CorruptBlob, MissingBlob) as e:
-            console.warn(str(e))
+            terminal.warn(str(e))
             self._rebuild(stage)
             return take(self._sha_of(stage, name))
 

@@ -11,15 +11,15 @@ Every blob is re-hashed on its way out; one that does not match is deleted and r
 `CorruptBlob`, so callers rebuild it instead of serving it. Blobs of gigabytes are also handed out
 as the store's own file (`verified_path`, to map or clone, never to write), checked once per change
 of that file's stat signature rather than on every read. A record is only trusted when it is
-well formed (cudabuild.engine.records, the check the remote tier applies too) and all the blobs it
+well formed (cudabuild.engine.records, the check the remote tiers apply too) and all the blobs it
 names are present; a damaged one is warned about, dropped, and read as a miss, so its stage runs
 again. This module imports neither torch nor executorch, nor anything that builds on Store
 (cache_admin enforces size limits from above). The few reads below diskcache's public API go
 through cudabuild.engine.diskcache_rows.
 
-With $CUDABUILD_REMOTE set, a shared tier (cudabuild.engine.remote) sits behind this one: a record or
+With $CUDABUILD_REMOTE set, a shared tier (cudabuild.engine.tiers) sits behind this one: a record or
 blob missing here is looked up there and copied in (checked against its sha256 on arrival), and
-`push` writes a new record back, its blobs first. Without it, cudabuild.engine.remote is never imported.
+`push` writes a new record back, its blobs first. Without it, cudabuild.engine.tiers is never imported.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from typing import Iterator, Optional
 import diskcache
 
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
-from cudabuild.engine import console, diskcache_rows
+from cudabuild.engine import diskcache_rows
+from cudabuild.engine.console import terminal
 from cudabuild.engine.diskcache_rows import Entry
-from cudabuild.engine.files import atomic_copy, atomic_write, temporary_file
+from cudabuild.engine.files import atomic_copy, temporary_file
 from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
 from cudabuild.engine.records import well_formed
 
@@ -64,7 +65,7 @@ def remote_from_env():
     """The shared tier $CUDABUILD_REMOTE names, or None; connects to nothing until first used."""
     if not os.environ.get("CUDABUILD_REMOTE", "").strip():
         return None
-    from cudabuild.engine.remote import from_env  # only builds that name a remote tier import it (and, later, redis)
+    from cudabuild.engine.tiers.factory import from_env  # only builds that name a remote tier import it (and, later, redis)
 
     return from_env()
 
@@ -81,7 +82,7 @@ class Store:
                 timeout=60,
             )
         self.hasher = FileHasher(self.cache)
-        # The shared tier behind this one (cudabuild.engine.remote.RedisTier); None means local only.
+        # The shared tier behind this one (a cudabuild.engine.tiers.base.Tier); None means local only.
         self.remote = remote_from_env()
         self._damaged_warned: set[str] = set()  # record keys already warned about (once each)
 
@@ -165,34 +166,25 @@ class Store:
         return h.hexdigest()
 
     def fetch(self, sha: str, dest: os.PathLike | str) -> Path:
-        """Copy a blob to `dest` atomically, verifying its hash; a corrupt blob is dropped."""
-        self._ensure_local(sha)
+        """Put a blob's bytes at `dest` atomically (checked as verified_path checks them), by the
+        cheapest copy that shares no writable storage with the store (files.clone_file). A corrupt
+        blob is dropped and never replaces what dest held."""
         dest = Path(dest)
-
-        def write(out):
-            if self._hash_blob(sha, out) != sha:
-                self.drop_blob(sha)
-                raise CorruptBlob(sha, dest.name)
-
-        atomic_write(dest, write)  # a corrupt copy never replaces what dest held
+        dest.parent.mkdir(parents=True, exist_ok=True)  # as any atomic write does, whatever the check then finds
+        atomic_copy(self.verified_path(sha, for_name=dest.name), dest)
         return dest
 
-    def verified_path(self, sha: str) -> Path:
+    def verified_path(self, sha: str, for_name: Optional[str] = None) -> Path:
         """The blob's own file in the store, its bytes checked against `sha`: to read or map, never
         to write. The check is remembered under the file's stat signature (the hash memo), so a
-        blob of gigabytes is re-hashed once per change of its file, not on every read."""
+        blob of gigabytes is re-hashed once per change of its file, not on every read. `for_name`:
+        what the blob is for, in the error when it is corrupt (default: its file here)."""
         self._ensure_local(sha)
         path = self.blob_path(sha)  # MissingBlob when it is gone
         if self.hasher(path) != sha:
             self.drop_blob(sha)
-            raise CorruptBlob(sha, path.name)
+            raise CorruptBlob(sha, for_name or path.name)
         return path
-
-    def materialise(self, sha: str, dest: os.PathLike | str) -> str:
-        """Put a blob's bytes at `dest` atomically (checked as verified_path checks them), by the
-        cheapest copy that shares no writable storage with the store (files.clone_file). Returns
-        how: "reflink" or "copy"."""
-        return atomic_copy(self.verified_path(sha), Path(dest))
 
     def read_bytes(self, sha: str) -> bytes:
         self._ensure_local(sha)
@@ -278,13 +270,17 @@ class Store:
         value = (record or {}).get("value")
         if not isinstance(value, dict):
             return None
-        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
+        self._put_doc(name, value)
         return value
 
     def put_json(self, name: str, value: dict) -> None:
-        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
+        self._put_doc(name, value)
         if self.remote is not None and self.remote.writable and name.startswith(SHARED_DOCS):
             self.remote.put_record(_doc_key(name), _doc_record(name, value))
+
+    def _put_doc(self, name: str, value: dict) -> None:
+        """The local write of a document, whether made here or copied in from the shared tier."""
+        self._set("doc:" + name, json.dumps(value, sort_keys=True), _doc_what(name))
 
     def shared_docs(self) -> Iterator[tuple[str, dict]]:
         """(tier key, record) of every document the shared tier also keeps (see SHARED_DOCS)."""
@@ -385,7 +381,7 @@ class Store:
             stage = record.get("stage") if isinstance(record, dict) else None
             of = f" of {stage}" if isinstance(stage, str) else ""
             damage = "is malformed" if isinstance(record, dict) else "is not a JSON object"
-            console.warn(f"cached record {key[:12]}{of} in {self.root} {damage}; dropped, its stage will run again")
+            terminal.warn(f"cached record {key[:12]}{of} in {self.root} {damage}; dropped, its stage will run again")
         return None
 
     def orphan_files(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> list[tuple[Path, int]]:

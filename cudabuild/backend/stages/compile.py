@@ -36,10 +36,10 @@ from cudabuild.backend import mapped_weights
 from cudabuild.backend import custom_ops, kernel_cache
 from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
-from cudabuild.engine.remote import inductor_environment
+from cudabuild.engine.tiers.redis import inductor_environment
 from cudabuild.engine.runner import StageResult
 from cudabuild.backend.toolchain import inductor_root
-from cudabuild.engine.trace import phase
+from cudabuild.engine.console.trace import phase
 from cudabuild.backend import tuning
 
 def inductor_dir_for(key: str) -> Path:

@@ -18,7 +18,7 @@ from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.backend.stages.program_result import program_result
 from cudabuild.engine.runner import StageResult
-from cudabuild.engine.trace import phase
+from cudabuild.engine.console.trace import phase
 
 
 def backend_passes(ep, specs: dict):

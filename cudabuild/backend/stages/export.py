@@ -16,7 +16,7 @@ from cudabuild.engine.hashing import canonical_json
 from cudabuild.backend.programs import StoredWeights
 from cudabuild.backend.stages.program_result import program_result
 from cudabuild.engine.runner import StageResult
-from cudabuild.engine.trace import phase
+from cudabuild.engine.console.trace import phase
 
 # The eager model of the latest (model, options) this process exported: all methods export the
 # same module, and targets of one model share it. Only the latest is kept: a process runs one

@@ -12,7 +12,7 @@ from typing import Optional
 
 from cudabuild.backend.programs import StoredWeights, graph_digest, graph_summary, save_program, write_summary
 from cudabuild.engine.runner import StageResult
-from cudabuild.engine.trace import phase
+from cudabuild.engine.console.trace import phase
 
 
 def program_result(ep, workdir: Path, reuse: Optional[StoredWeights]) -> StageResult:

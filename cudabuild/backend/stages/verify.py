@@ -20,8 +20,9 @@ from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
-from cudabuild.engine.runner import COLLECT_AFTER_GROWTH, StageResult
-from cudabuild.engine.trace import phase
+from cudabuild.engine.memory import collect_if_worth
+from cudabuild.engine.runner import StageResult
+from cudabuild.engine.console.trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
 TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -103,8 +104,7 @@ def run(ctx) -> StageResult:
     # (a fraction of a second with torch loaded: only where the weights are worth it).
     held = sum(t.nbytes for t in ep.state_dict.values())
     del ep
-    if held > COLLECT_AFTER_GROWTH:
-        gc.collect()
+    collect_if_worth(held)
     so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
     blob = ctx.blob_path("compile", method, "weights.blob")
     with phase("compiled"):

@@ -1,19 +1,14 @@
-"""The shared remote tier behind every builder's local store: Redis, and the choice of layouts.
+"""The shared tier on Redis: records, blobs and build leases in one Redis database.
 
-    CUDABUILD_REMOTE=redis://HOST:PORT/DB            # read-through, write-back, build-once leases
-    CUDABUILD_REMOTE_BLOBS=s3://BUCKET/PREFIX        # blobs in an object store (s3_blobs.py), not in Redis
-    CUDABUILD_REMOTE=s3://BUCKET/PREFIX              # object-store-only mode (s3_tier.py): no Redis at all
-    CUDABUILD_REMOTE_KEY=SECRET                      # sign records (HMAC-SHA256); reject unsigned ones
-    CUDABUILD_REMOTE_MODE=read-only                  # untrusted builders (pull-request CI): never write
-    CUDABUILD_REMOTE_LEASE_SECONDS=60                # a dead builder's lease lapses after this
-    CUDABUILD_REMOTE_WAIT_SECONDS=3600               # the longest a builder waits on another's lease
+    CUDABUILD_REMOTE=redis://HOST:PORT/DB            # also rediss://, unix://; a password goes in the URL
 
 This module owns the Redis side: its key layout, chunked blob transfer checked against the sha256
-on arrival, signed action records, per-key build leases with a heartbeat, and degrading to the
-local cache alone when Redis is unreachable (one warning per build, then no more network calls).
-It never touches the local store or build/: store.py decides what to copy where, runner.py when
-to lease. `redis` is imported on the first call that talks to the server, not before; the S3
-modules (and boto3) only when an s3:// URL is configured, and boto3 only on the first call.
+on arrival, records in their signed envelopes (base.seal), per-key build leases with a heartbeat,
+and degrading to the local cache alone when Redis is unreachable (one warning per build, then no
+more network calls). With CUDABUILD_REMOTE_BLOBS set, blobs go to that store (s3/blobs.py) and
+Redis keeps the records and leases. It never touches the local store or build/: store.py decides
+what to copy where, runner.py when to lease. `redis` is imported on the first call that talks to
+the server, not before.
 
 Keys (all under `cudabuild:`):
 - `chunk:<sha>:<i>`  the i-th piece of a blob's bytes (at most `chunk_bytes` each);
@@ -26,120 +21,26 @@ Keys (all under `cudabuild:`):
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
-import socket
-import threading
 import time
-import uuid
 from typing import BinaryIO, Callable, Iterable, Optional
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from cudabuild.engine import console
-from cudabuild.errors import InvalidRemote, one_line
-from cudabuild.engine.hashing import canonical_json
-from cudabuild.engine.records import well_formed  # the check the local store applies too
-from cudabuild.engine.tier_health import UNREACHABLE, Degrading, TierSettings
-
-REMOTE_ENV = "CUDABUILD_REMOTE"
-KEY_ENV = "CUDABUILD_REMOTE_KEY"
-MODE_ENV = "CUDABUILD_REMOTE_MODE"
-LEASE_ENV = "CUDABUILD_REMOTE_LEASE_SECONDS"
-WAIT_ENV = "CUDABUILD_REMOTE_WAIT_SECONDS"
-BLOBS_ENV = "CUDABUILD_REMOTE_BLOBS"
-MODES = ("read-write", "read-only")
-SCHEMES = ("redis", "rediss", "unix")
+from cudabuild.errors import one_line
+from cudabuild.engine.tiers.base import (MODE_ENV, POLL_SECONDS, REMOTE_ENV, UNREACHABLE, BlobStore, Degrading, Lease,
+                                         NoLease, Tier, lease_token, mib, redact, seal, warn_stderr)
 
 PREFIX = "cudabuild:"
 CHUNK_BYTES = 4 << 20
 BATCH_CHUNKS = 8  # chunks per round trip: 32 MiB in flight at most
 SOCKET_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 1.0
-POLL_SECONDS = 0.5
 
 # Compare-and-act on a lease, so a builder whose lease lapsed and was taken over never renews or
 # deletes the new holder's.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-
-
-def _warn_stderr(message: str) -> None:
-    console.warn(message)  # the terminal's stderr, also while a stage's output goes to its log
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _seconds(environ, name: str, default: float, problems: list[str]) -> float:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        problems.append(f"{name}={raw} is not a positive number of seconds")
-        return default
-    return value
-
-
-def from_env(environ=os.environ, warn: Callable[[str], None] = _warn_stderr):
-    """The tier $CUDABUILD_REMOTE names (a RedisTier, or an s3_tier.S3Tier for an s3:// URL), with
-    its blobs in $CUDABUILD_REMOTE_BLOBS when that is set; None when $CUDABUILD_REMOTE is unset.
-    Talks to no server, and imports neither redis nor boto3."""
-    url = environ.get(REMOTE_ENV, "").strip()
-    if not url:
-        return None
-    blobs_url = environ.get(BLOBS_ENV, "").strip()
-    problems = []
-    scheme = urlsplit(url).scheme
-    if scheme not in SCHEMES + ("s3",):
-        problems.append(f"{REMOTE_ENV}={redact(url)} is not a Redis URL nor an s3:// one; "
-                        "expected redis://HOST:PORT/DB or s3://BUCKET/PREFIX")
-    if blobs_url and urlsplit(blobs_url).scheme != "s3":
-        problems.append(f"{BLOBS_ENV}={redact(blobs_url)} is not an s3:// URL; expected s3://BUCKET/PREFIX")
-    mode = environ.get(MODE_ENV, "").strip() or "read-write"
-    if mode not in MODES:
-        problems.append(f"{MODE_ENV}={mode}: expected read-write or read-only")
-    lease = _seconds(environ, LEASE_ENV, 60.0, problems)
-    wait = _seconds(environ, WAIT_ENV, 3600.0, problems)
-    if scheme == "s3" or blobs_url:
-        from cudabuild.engine.s3_client import parse_url  # no boto3 here
-
-        for name, value in ((REMOTE_ENV, url if scheme == "s3" else ""), (BLOBS_ENV, blobs_url)):
-            if value and urlsplit(value).scheme == "s3":
-                try:
-                    parse_url(value, name)
-                except InvalidRemote as e:
-                    problems.append(str(e))
-    if problems:
-        raise InvalidRemote("; ".join(problems))
-    secret = environ.get(KEY_ENV) or None
-    options = dict(secret=secret.encode() if secret else None, read_only=mode == "read-only",
-                   lease_seconds=lease, wait_seconds=wait, warn=warn)
-    blobs = None
-    if blobs_url or scheme == "s3":
-        from cudabuild.engine.s3_blobs import S3Blobs
-        from cudabuild.engine.s3_client import Bucket
-
-        blobs = S3Blobs(Bucket(blobs_url or url, read_only=options["read_only"], warn=warn, environ=environ))
-    if scheme == "s3":
-        from cudabuild.engine.s3_client import Bucket
-        from cudabuild.engine.s3_tier import S3Tier
-
-        records = Bucket(url, read_only=options["read_only"], warn=warn, environ=environ)
-        if blobs.bucket.url == records.url:
-            records = blobs.bucket  # one client, one warning, when both live in the same place
-        return S3Tier(records, blobs=blobs, **options)
-    return RedisTier(url, blobs=blobs, **options)
 
 
 def inductor_environment(environ=os.environ) -> dict[str, str]:
@@ -162,105 +63,15 @@ def inductor_environment(environ=os.environ) -> dict[str, str]:
     }
 
 
-
-
-class NoLease:
-    """Stands for a lease where none can be taken (read-only mode, Redis down): builds go ahead."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def release(self) -> None:
-        pass
-
-
-class Lease:
-    """A held build lease: renewed by a heartbeat thread while the block runs, released after.
-
-    The tier does the talking (`_renew_lease`, `_release_lease`), so the same lease serves Redis
-    and the object store; `etag` is the object store's handle on the lease object it wrote."""
-
-    def __init__(self, tier, key: str, token: str, etag: Optional[str] = None):
-        self.tier, self.key, self.token, self.etag = tier, key, token, etag
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def __enter__(self):
-        self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.key[:8]}", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=SOCKET_TIMEOUT * 2 + 1)
-        self.release()
-        return False
-
-    def _heartbeat(self) -> None:
-        tier = self.tier
-        while not self._stop.wait(tier.lease_seconds / 3):
-            kept = tier._renew_lease(self)
-            if kept is UNREACHABLE:
-                return
-            if not kept:
-                tier.warn_once(f"lease:{self.key}", f"the build lease on {self.key[:12]} lapsed; another builder may build it too")
-                return
-
-    def release(self) -> None:
-        self.tier._release_lease(self)
-
-
-def seal(key: str, record: dict, secret: Optional[bytes]) -> str:
-    """A record as the remote tiers store it: JSON {"key", "record", "sig"} (sig with a secret only)."""
-    envelope = {"key": key, "record": record}
-    if secret is not None:
-        envelope["sig"] = _signature(secret, key, record)
-    return json.dumps(envelope, sort_keys=True)
-
-
-def _signature(secret: bytes, key: str, record: dict) -> str:
-    return hmac.new(secret, canonical_json({"key": key, "record": record}).encode(), hashlib.sha256).hexdigest()
-
-
-def unseal(key: str, raw, secret: Optional[bytes], where: str, warn_once) -> Optional[dict]:
-    """The record in a stored envelope, when it is valid JSON, well formed and (with a secret)
-    correctly signed for `key`; else None, with one warning per kind of fault."""
-    try:
-        envelope = json.loads(raw)
-        record = envelope["record"]
-    except (ValueError, KeyError, TypeError):
-        warn_once("malformed", f"remote record for {key[:12]} in {where} is not valid JSON; ignored")
-        return None
-    if secret is not None:
-        sig = envelope.get("sig")
-        if not (isinstance(sig, str) and envelope.get("key") == key and hmac.compare_digest(sig, _signature(secret, key, record))):
-            warn_once("signature", f"remote record for {key[:12]} in {where} is "
-                                   f"{'unsigned' if sig is None else 'badly signed'}; ignored "
-                                   f"(its builder must sign with the same {KEY_ENV})")
-            return None
-    if not well_formed(record):
-        warn_once("malformed", f"remote record for {key[:12]} in {where} is malformed; ignored")
-        return None
-    return record
-
-
-def lease_token() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-class RedisTier(TierSettings, Degrading):
+class RedisTier(Degrading, Tier):
     def __init__(self, url: str, *, secret: Optional[bytes] = None, read_only: bool = False,
                  lease_seconds: float = 60.0, wait_seconds: float = 3600.0, chunk_bytes: int = CHUNK_BYTES,
-                 warn: Callable[[str], None] = _warn_stderr, blobs=None):
-        TierSettings.__init__(self, secret=secret, read_only=read_only, lease_seconds=lease_seconds,
-                              wait_seconds=wait_seconds, warn=warn)
+                 warn: Callable[[str], None] = warn_stderr, blobs: Optional[BlobStore] = None):
+        Tier.__init__(self, secret=secret, read_only=read_only, lease_seconds=lease_seconds,
+                      wait_seconds=wait_seconds, warn=warn)
         Degrading.__init__(self, warn)
         self.url = url
-        # Blobs in an object store (s3_blobs.S3Blobs) instead of Redis chunks; records and leases stay here.
+        # Blobs in an object store (s3.blobs.S3Blobs) instead of Redis chunks; records and leases stay here.
         self.blobs = blobs
         self.where = redact(url) + (f" (blobs in {blobs.where})" if blobs is not None else "")
         self.chunk_bytes = chunk_bytes
@@ -436,10 +247,7 @@ class RedisTier(TierSettings, Degrading):
         raw = self._call("record lookup", lambda r: r.get(self._rec_key(key)))
         if raw is UNREACHABLE or raw is None:
             return None
-        record = unseal(key, raw, self.secret, self.where, self.warn_once)
-        if record is not None:
-            self.stats["records_in"] += 1
-        return record
+        return self._unsealed(key, raw)
 
     def put_record(self, key: str, record: dict) -> bool:
         """Publish a record; call it only once every blob it names is in the tier."""
@@ -449,6 +257,25 @@ class RedisTier(TierSettings, Degrading):
             return False
         self.stats["records_out"] += 1
         return True
+
+    def young_records(self, keep_s: float, now: float) -> Optional[list[bytes]]:
+        """The raw envelopes of the records read or written within keep_s seconds (by Redis's
+        OBJECT IDLETIME, so `now` is not needed)."""
+        def young(r):
+            keys = list(r.scan_iter(match=self._rec_key("*"), count=1000))
+            pipe = r.pipeline(transaction=False)
+            for key in keys:
+                pipe.object("idletime", key)
+            idle = pipe.execute(raise_on_error=False)
+            # No idle time (an LFU policy answers with an error): count the record as young.
+            chosen = [k for k, t in zip(keys, idle) if not isinstance(t, int) or t < keep_s]
+            raws = []
+            for start in range(0, len(chosen), 500):
+                raws.extend(r.mget(chosen[start:start + 500]))
+            return raws
+
+        found = self._call("record listing", young)
+        return None if found is UNREACHABLE else [raw for raw in found if raw is not None]
 
     # -- build leases --------------------------------------------------------------------------------
 
@@ -504,49 +331,16 @@ class RedisTier(TierSettings, Degrading):
             found["blobs"] = self.blobs.where
         return found
 
-
-def describe(tier) -> list[str]:
-    """What `cudabuild cache stats` says about the shared tier: where it is and what it holds (by
-    asking it: Redis's INFO, a listing of the object store's blobs)."""
-    if tier is None:
-        return []
-    blobs = getattr(tier, "blobs", None)
-    lines = []
-    if isinstance(tier, RedisTier):
-        info = tier.server_info()
+    def describe(self) -> list[str]:
+        """Redis's INFO in one line, and the blobs' store in another when they live elsewhere."""
+        info = self.server_info()
         if info is None:
-            return [f"remote cache {tier.where}: unreachable"]
+            return [f"remote cache {self.where}: unreachable"]
         limit = info.get("maxmemory") or 0
-        lines.append(f"remote cache {redact(tier.url)}: Redis, {info['keys']} keys, "
-                     f"{_mib(info.get('used_memory') or 0)} used"
-                     + (f" of {_mib(limit)} ({info.get('maxmemory_policy')})" if limit else "")
-                     + f", {info.get('evicted_keys') or 0} evicted keys")
-    if blobs is not None:
-        usage = blobs.usage()
-        head = "remote cache" if not lines else "  blobs in"
-        if usage is None:
-            lines.append(f"{head} {blobs.where}: unreachable")
-        else:
-            records = ""
-            if not lines and hasattr(tier, "records"):  # object-store-only: its records are objects too
-                listing = tier.records.listing(tier.records.key("rec", ""), "record listing")
-                records = f"{len(listing)} records, " if listing is not None else ""
-            lines.append(f"{head} {blobs.where}: object store, {records}{usage[0]} blobs, {_mib(usage[1])}")
-    return lines
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def push_store(store, tier: Optional[RedisTier] = None) -> int:
-    """Copy every complete record of a local store, with its blobs, to the tier (e.g. to seed a new
-    Redis from a machine that already built). Returns how many records were published."""
-    tier = tier or store.remote
-    published = 0
-    for key, record in store.records():
-        if store.push(key, record, tier):
-            published += 1
-    for key, record in store.shared_docs():  # what the recipes declare: a fresh machine needs no torch
-        tier.put_record(key, record)
-    return published
+        lines = [f"remote cache {redact(self.url)}: Redis, {info['keys']} keys, "
+                 f"{mib(info.get('used_memory') or 0)} used"
+                 + (f" of {mib(limit)} ({info.get('maxmemory_policy')})" if limit else "")
+                 + f", {info.get('evicted_keys') or 0} evicted keys"]
+        if self.blobs is not None:
+            lines.append(self.blobs.describe("  blobs in"))
+        return lines

@@ -1,6 +1,6 @@
 """`cudabuild cache gc --remote --max-size SIZE [--keep-days N]`: bound the object store's blobs.
 
-Evicts least-recently-used blobs from the tier's object store (s3_blobs.py) until the blobs
+Evicts least-recently-used blobs from the tier's object store (blobs.py) until the blobs
 there take at most SIZE, and never one that a record younger than N days names, nor one used in the
 last hour (a builder may have uploaded it and not yet published the record that names it).
 
@@ -11,18 +11,19 @@ last hour (a builder may have uploaded it and not yet published the record that 
   blob is harmless: builders treat it as a miss, rebuild, and publish it again.
 - Redis-held blobs are not this module's business: Redis evicts them itself (maxmemory-policy).
 
-It reads the tier through its own calls and objects; it never touches the local store.
+It reads the tier through its own calls (records: Tier.young_records) and the bucket's objects;
+it never touches the local store.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
 from cudabuild.errors import InvalidRemote
+from cudabuild.engine.tiers.base import BLOBS_ENV, REMOTE_ENV
 
 GRACE_SECONDS = 3600
 DEFAULT_KEEP_DAYS = 7.0
@@ -58,39 +59,6 @@ class RemoteGcReport:
         return out
 
 
-def _records_redis(tier, keep_s: float) -> Optional[list[bytes]]:
-    """The raw envelopes of the Redis records read or written within keep_s seconds."""
-    from cudabuild.engine.remote import UNREACHABLE
-
-    def young(r):
-        keys = list(r.scan_iter(match=tier._rec_key("*"), count=1000))
-        pipe = r.pipeline(transaction=False)
-        for key in keys:
-            pipe.object("idletime", key)
-        idle = pipe.execute(raise_on_error=False)
-        # No idle time (an LFU policy answers with an error): count the record as young.
-        chosen = [k for k, t in zip(keys, idle) if not isinstance(t, int) or t < keep_s]
-        raws = []
-        for start in range(0, len(chosen), 500):
-            raws.extend(r.mget(chosen[start:start + 500]))
-        return raws
-
-    found = tier._call("record listing", young)
-    return None if found is UNREACHABLE else [raw for raw in found if raw is not None]
-
-
-def _records_s3(tier, keep_s: float, now: float) -> Optional[list[bytes]]:
-    """The raw envelopes of the record objects written within keep_s seconds."""
-    bucket = tier.records
-    listing = bucket.listing(bucket.key("rec", ""), "record listing")
-    if listing is None:
-        return None
-    keys = [o["Key"] for o in listing if now - o["LastModified"].timestamp() < keep_s]
-    with ThreadPoolExecutor(8) as pool:
-        found = list(pool.map(lambda key: bucket.get_small(key, "record lookup"), keys))
-    return [f[0] for f in found if isinstance(f, tuple)]
-
-
 def _named(raws: list[bytes]) -> set[str]:
     shas = set()
     for raw in raws:
@@ -104,14 +72,14 @@ def _named(raws: list[bytes]) -> set[str]:
 
 def command(max_size: Optional[str], keep_days: float, dry_run: bool = False) -> list[str]:
     """`cudabuild cache gc --remote`: the tier the environment names, bounded to --max-size."""
-    from cudabuild.engine import remote
     from cudabuild.engine.cache_admin import parse_size
+    from cudabuild.engine.tiers import factory
 
     if not max_size:
         raise InvalidRemote("cache gc --remote needs --max-size SIZE (what the object store's blobs may take)")
-    tier = remote.from_env()
+    tier = factory.from_env()
     if tier is None:
-        raise InvalidRemote(f"cache gc --remote needs the shared tier: set {remote.REMOTE_ENV} (and {remote.BLOBS_ENV})")
+        raise InvalidRemote(f"cache gc --remote needs the shared tier: set {REMOTE_ENV} (and {BLOBS_ENV})")
     return gc_remote(tier, parse_size(max_size, "--max-size"), keep_days, dry_run=dry_run).lines()
 
 
@@ -125,7 +93,7 @@ def gc_remote(tier, max_bytes: int, keep_days: float = DEFAULT_KEEP_DAYS, now: O
         raise InvalidRemote(f"cache gc --remote deletes from {tier.where}; it cannot run with CUDABUILD_REMOTE_MODE=read-only")
     now = time.time() if now is None else now
     keep_s = keep_days * DAY
-    raws = _records_s3(tier, keep_s, now) if hasattr(tier, "records") else _records_redis(tier, keep_s)
+    raws = tier.young_records(keep_s, now)
     bucket = blobs.bucket
     listing = bucket.listing(bucket.key("blobs", ""), "blob listing")
     markers = bucket.listing(bucket.key("used", ""), "use listing")

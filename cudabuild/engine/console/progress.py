@@ -7,7 +7,7 @@ running stage with its elapsed time and, where known, how long its last run took
 stage leaves one line above them. Otherwise, plain lines: `> stage`, `still running, Ns elapsed`
 every CUDABUILD_PROGRESS_SECONDS, `done in`. Under `doit -n N` every worker's events reach this one
 reporter, so everything here is keyed by task. Everything goes to the terminal's own streams
-(cudabuild.engine.console), never into a stage's log.
+(terminal.py), never into a stage's log.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 
-from cudabuild.engine import console
+from cudabuild.engine.console import terminal
 
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
 
@@ -44,7 +44,7 @@ def _label(task_name: str) -> str:
 
 
 def live_terminal(stream=None, environ=os.environ) -> bool:
-    stream = stream or console.out()
+    stream = stream or terminal.out()
     return bool(getattr(stream, "isatty", lambda: False)()) and environ.get("CI", "").lower() not in ("1", "true")
 
 
@@ -121,7 +121,7 @@ class CudabuildReporter(ConsoleReporter):
     def __init__(self, outstream, options):
         super().__init__(outstream, options)
         if outstream in (sys.stdout, sys.__stdout__):  # doit's default: the terminal, also during stage logs
-            self.outstream = console.out()
+            self.outstream = terminal.out()
         self.progress = LiveProgress(self.outstream) if live_terminal(self.outstream) else PlainProgress(self.outstream)
 
     def write(self, text):
@@ -164,12 +164,12 @@ def failure_lines(log: Optional[Path], cwd: Optional[Path] = None) -> str:
         shown = log.relative_to(cwd or Path.cwd())
     except ValueError:
         shown = log
-    tail = console.lines_that_matter(log)
+    tail = terminal.lines_that_matter(log)
     return f"\n  log: {shown}" + "".join(f"\n  | {line}" for line in tail)
 
 
 def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None) -> None:
-    out = out or console.out()
+    out = out or terminal.out()
     rows = manifest["stages"]
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "remote", "cached")}
     saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in rows if r["status"] != "ran")

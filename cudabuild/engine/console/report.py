@@ -1,6 +1,6 @@
 """`cudabuild report`: how long the last builds of a model took, stage by stage.
 
-Reads the store's build log (every finished build's manifest: cudabuild.engine.store.record_build) and
+Reads the store's build log (every finished build's manifest: cudabuild.engine.store.Store.record_build) and
 prints one column per build, one row per stage: its seconds and status. `svg()` draws the same as
 stacked bars, one per build. The SVG is written by hand: a few rectangles and labels need no
 plotting library (matplotlib alone is tens of MB for one chart). Engine half; no torch here.

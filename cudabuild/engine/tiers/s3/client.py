@@ -12,7 +12,7 @@ object (a no-op) neither imports it nor makes a network call.
 This module owns the client and the rule for failures: a store that cannot be reached (refused,
 timed out, no credentials, no such bucket) costs one warning, then no more calls in this process; a
 write the store refuses (access denied) stops writes, also with one warning. It knows no key layout:
-s3_blobs.py (blobs) and s3_tier.py (records, leases) do.
+blobs.py (blobs) and tier.py (records, leases) do.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 from typing import Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
-from cudabuild.engine.tier_health import UNREACHABLE, Degrading
+from cudabuild.engine.tiers.base import UNREACHABLE, Degrading
 from cudabuild.errors import InvalidRemote, one_line
 
 SCHEME = "s3"

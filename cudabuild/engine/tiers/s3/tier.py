@@ -2,10 +2,10 @@
 
     CUDABUILD_REMOTE=s3://BUCKET/PREFIX
 
-The same tier as remote.RedisTier (same calls, same signed envelopes, same degrading), laid out as
-objects under PREFIX:
-- `blobs/<sha256>`, `used/<sha256>`  see s3_blobs.py;
-- `rec/<key>`    the record's signed JSON envelope (remote.seal), written after every blob it names;
+The same tier as redis.RedisTier (the same base.Tier calls, signed envelopes and degrading), laid
+out as objects under PREFIX:
+- `blobs/<sha256>`, `used/<sha256>`  see blobs.py;
+- `rec/<key>`    the record's signed JSON envelope (base.seal), written after every blob it names;
 - `lease/<key>`  JSON {"token", "seconds"}: the build lease. Taken with a conditional write
   (`If-None-Match: *`: only one builder creates it), renewed by its holder's heartbeat with
   `If-Match` on the ETag it last wrote, released by a delete with `If-Match`. It has lapsed when
@@ -24,24 +24,24 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from typing import Callable, Optional
 
-from cudabuild.engine.remote import POLL_SECONDS, Lease, NoLease, _warn_stderr, lease_token, seal, unseal
-from cudabuild.engine.s3_blobs import S3Blobs
-from cudabuild.engine.s3_client import MISSING, NOT_IMPLEMENTED, PRECONDITION, UNREACHABLE, Bucket, Refused
-from cudabuild.engine.tier_health import TierSettings
+from cudabuild.engine.tiers.base import POLL_SECONDS, Lease, NoLease, Tier, lease_token, seal, warn_stderr
+from cudabuild.engine.tiers.s3.blobs import S3Blobs
+from cudabuild.engine.tiers.s3.client import MISSING, NOT_IMPLEMENTED, PRECONDITION, UNREACHABLE, Bucket, Refused
 
 
-class S3Tier(TierSettings):
+class S3Tier(Tier):
     def __init__(self, records: Bucket, *, blobs: Optional[S3Blobs] = None, secret: Optional[bytes] = None,
                  read_only: bool = False, lease_seconds: float = 60.0, wait_seconds: float = 3600.0,
-                 warn: Callable[[str], None] = _warn_stderr):
+                 warn: Callable[[str], None] = warn_stderr):
         self.records = records
         self.blobs = blobs or S3Blobs(records)
         self.where = records.where + (f" (blobs in {self.blobs.where})" if self.blobs.where != records.where else "")
-        TierSettings.__init__(self, secret=secret, read_only=read_only, lease_seconds=lease_seconds,
-                              wait_seconds=wait_seconds, warn=warn)
+        Tier.__init__(self, secret=secret, read_only=read_only, lease_seconds=lease_seconds,
+                      wait_seconds=wait_seconds, warn=warn)
         self.blobs.stats = self.stats  # one set of counters per tier
         self.conditional_writes: Optional[bool] = None  # unknown until the first lease needs it
 
@@ -76,10 +76,7 @@ class S3Tier(TierSettings):
         found = self.records.get_small(self._rec_key(key), "record lookup")
         if found is UNREACHABLE or found is None:
             return None
-        record = unseal(key, found[0], self.secret, self.where, self.warn_once)
-        if record is not None:
-            self.stats["records_in"] += 1
-        return record
+        return self._unsealed(key, found[0])
 
     def put_record(self, key: str, record: dict) -> bool:
         """Publish a record; call it only once every blob it names is in the tier."""
@@ -92,6 +89,16 @@ class S3Tier(TierSettings):
             return False
         self.stats["records_out"] += 1
         return True
+
+    def young_records(self, keep_s: float, now: float) -> Optional[list[bytes]]:
+        """The raw envelopes of the record objects written within keep_s seconds of `now`."""
+        listing = self.records.listing(self.records.key("rec", ""), "record listing")
+        if listing is None:
+            return None
+        keys = [o["Key"] for o in listing if now - o["LastModified"].timestamp() < keep_s]
+        with ThreadPoolExecutor(8) as pool:
+            found = list(pool.map(lambda key: self.records.get_small(key, "record lookup"), keys))
+        return [f[0] for f in found if isinstance(f, tuple)]
 
     # -- build leases --------------------------------------------------------------------------------
 
@@ -216,3 +223,11 @@ class S3Tier(TierSettings):
             return None
         return {"store": self.where, "blobs": usage[0], "blob_bytes": usage[1],
                 "conditional_writes": self.conditional_writes}
+
+    def describe(self) -> list[str]:
+        """The bucket's records and blobs, by listing them."""
+        def records() -> str:
+            listing = self.records.listing(self.records.key("rec", ""), "record listing")
+            return f"{len(listing)} records, " if listing is not None else ""
+
+        return [self.blobs.describe("remote cache", records)]

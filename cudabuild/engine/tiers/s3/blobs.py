@@ -1,6 +1,6 @@
 """Blobs in an S3-compatible object store, content-addressed: `PREFIX/blobs/<sha256>`.
 
-A tier (remote.RedisTier, or s3_tier.S3Tier in object-store-only mode) hands its blob calls here;
+A tier (redis.RedisTier, or s3.tier.S3Tier in object-store-only mode) hands its blob calls here;
 this module owns the blob objects and nothing else (no records, no leases, no local store).
 
 - Streamed both ways in multipart parts with boto3's managed transfers, never whole in memory. The
@@ -24,9 +24,10 @@ import hashlib
 import os
 import re
 import threading
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Callable, Iterable
 
-from cudabuild.engine.s3_client import MISSING, UNREACHABLE, Bucket, Refused
+from cudabuild.engine.tiers.base import mib
+from cudabuild.engine.tiers.s3.client import MISSING, UNREACHABLE, Bucket, Refused
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -228,3 +229,11 @@ class S3Blobs:
         if listing is None:
             return None
         return len(listing), sum(int(o.get("Size", 0)) for o in listing)
+
+    def describe(self, head: str, records: Callable[[], str] = lambda: "") -> str:
+        """What `cache stats` says of these blobs, after `head`: their count and bytes, by listing
+        them; `records()`, asked only once the listing worked, is what the tier adds before them."""
+        usage = self.usage()
+        if usage is None:
+            return f"{head} {self.where}: unreachable"
+        return f"{head} {self.where}: object store, {records()}{usage[0]} blobs, {mib(usage[1])}"

@@ -1,4 +1,4 @@
-"""The console: what a person sees, kept apart from what libraries print while a stage runs.
+"""The terminal: what a person sees, kept apart from what libraries print while a stage runs.
 
 - `out()` / `err()`: the process's own stdout and stderr, duplicated the first time they are asked
   for, so cudabuild's lines (progress, warnings, errors, the summary) reach the terminal while

@@ -1,0 +1,123 @@
+"""The package's imports, read from the source (ast), not by importing it: no module imports itself
+back through others, at module level or inside a function, and the engine imports nothing above it.
+
+An edge is every `import` and `from ... import` anywhere in a file (functions, `if TYPE_CHECKING:`
+blocks, `importlib.import_module("literal")` too); `from a import b` is an edge to `a.b` when that
+is a module, and importing a module imports its parent packages as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "cudabuild"
+# What the engine must not import: it takes a plain description of the build (graph.Build) and
+# its stage table from its caller.
+ABOVE_THE_ENGINE = ("cudabuild.config", "cudabuild.specs", "cudabuild.registry", "cudabuild.pipeline", "cudabuild.backend")
+
+
+def module_files() -> dict[str, Path]:
+    """{dotted module name: file} of every module under cudabuild/ (a package by its __init__.py)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imported_names(name: str, path: Path):
+    """(line, dotted name) of everything the file imports; `from a import b` gives a.b (the caller
+    keeps whichever of a and a.b is a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package, `level - 1` packages up
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            yield node.lineno, base
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}"
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+            yield node.lineno, node.args[0].value
+
+
+def _with_parents(target: str, modules) -> list[str]:
+    """The modules importing `target` loads: it (or its longest prefix that is a module) and its packages."""
+    parts = target.split(".")
+    return [m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in modules]
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """{module: {module it imports: the first line that does}} within the package."""
+    modules = module_files()
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        for line, target in _imported_names(name, path):
+            if target.split(".")[0] != "cudabuild":
+                continue
+            for module in _with_parents(target, modules):
+                if module != name:
+                    edges.setdefault(module, line)
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One cycle, as [a, b, ..., a], or [] when there is none (depth-first, three colours)."""
+    state: dict[str, str] = {}  # module -> "open" (on the current path) | "done"
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph.get(module, {})):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = "done"
+        return []
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return []
+
+
+def _described(cycle: list[str], graph) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_the_walk_sees_module_level_function_level_and_submodule_imports():
+    graph = import_graph()
+    assert "cudabuild.engine.store" in graph["cudabuild.engine.runner"]  # module level
+    assert "cudabuild.engine.tiers.factory" in graph["cudabuild.engine.store"]  # inside a function
+    assert "cudabuild.engine.console.terminal" in graph["cudabuild.engine.runner"]  # `from package import module`
+    assert "cudabuild.engine.tiers" in graph["cudabuild.engine.tiers.redis"]  # a module's packages load first
+    assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == ["a", "b", "c", "a"]
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = import_graph()
+    cycle = find_cycle(graph)
+    assert not cycle, f"import cycle: {_described(cycle, graph)}"
+
+
+def test_the_engine_imports_nothing_above_it():
+    reaching: dict[str, str] = {}  # file:line -> what it imports (the first name, for `from a import b`)
+    for name, path in module_files().items():
+        if name == "cudabuild.engine" or name.startswith("cudabuild.engine."):
+            for line, target in _imported_names(name, path):
+                if any(target == above or target.startswith(above + ".") for above in ABOVE_THE_ENGINE):
+                    reaching.setdefault(f"{path.relative_to(REPO)}:{line}", target)
+    assert not reaching, "the engine reaches up: " + "; ".join(f"{at} imports {what}" for at, what in reaching.items())
