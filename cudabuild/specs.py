@@ -52,7 +52,8 @@ def normalize(key: str, value: str) -> str:
     """The value as the table spells it (values are case-insensitive: on, On and ON are ON)."""
     spec = SPEC_TABLE[key]
     if spec.allowed is not None:
-        return next((a for a in spec.allowed if a.lower() == str(value).lower()), str(value))
+        fallback = str(value).upper() if spec.allowed == ON_OFF else str(value)  # shown so in its error
+        return next((a for a in spec.allowed if a.lower() == str(value).lower()), fallback)
     return str(value)
 
 
