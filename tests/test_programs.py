@@ -127,3 +127,42 @@ def test_a_written_package_leaves_no_weights_blob_in_memory(tmp_path):
     del manager, program
     gc.collect()
     assert sys.getrefcount(blob) == alone
+
+
+class FromTheEnd(torch.nn.Module):
+    """Slices a dynamic length from the end, as ExecuTorch's Qwen3.5-MoE prefill does (`x[..., -T:]`):
+    the graph holds `operator.neg` of a size, which ExecuTorch's own serializer does not know."""
+
+    def forward(self, x):
+        padded = torch.cat([torch.zeros(1, 3), x], dim=1)
+        return padded[:, -x.shape[1]:] * 2
+
+
+def test_a_program_with_size_arithmetic_from_the_end_saves_and_loads(tmp_path):
+    import operator
+
+    from executorch.exir.serde import export_serialize
+
+    T = torch.export.Dim("T", min=2, max=30)
+    ep = torch.export.export(FromTheEnd(), (torch.ones(1, 8),), dynamic_shapes=({1: T},), strict=True)
+    assert operator.neg in {n.target for n in ep.graph.nodes}
+    saved = save_program(ep, tmp_path)
+    loaded = load_program(reader(saved))
+    x = torch.arange(5.0)[None]
+    assert torch.equal(loaded.module()(x), FromTheEnd()(x))
+    assert operator.neg not in export_serialize._SYM_INT_OPS  # ExecuTorch's table is left as it was
+
+
+def test_a_quantized_weight_digests_by_its_inner_tensors():
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    def quantized(seed):
+        torch.manual_seed(seed)
+        lin = torch.nn.Sequential(torch.nn.Linear(64, 32))
+        quantize_(lin, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32)))
+        return torch.export.export(lin, (torch.randn(1, 64),))
+
+    a, b, c = quantized(0), quantized(0), quantized(1)
+    assert type(a.state_dict["0.weight"]).__name__ == "IntxUnpackedToInt8Tensor"
+    assert graph_digest(graph_summary(a)) == graph_digest(graph_summary(b)) != graph_digest(graph_summary(c))

@@ -1,0 +1,179 @@
+"""ExecuTorch's Qwen3.5-MoE through target cuda on a real GPU: the build verifies, ExecuTorch's own
+C++ CUDA runtime runs the package right, and the recipe's two forms are one model.
+
+Run on the GPU machine: `python -m pytest tests/gpu -q` (skipped where torch sees no CUDA device).
+The runtime test needs ExecuTorch's command-line runner (the et-runtime folder: $ET_CUDA_RUN names
+its run.sh, else .etrt/run.sh in the checkout, else ../shared/et-runtime/run.sh) and is skipped
+without it. $CUDABUILD_KERNEL_CACHE, when set, is handed to the builds (compiled Triton kernels
+shared with other builds on the machine; they are keyed by content).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_ok
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = 1e-6
+
+
+def _runner() -> Path | None:
+    for candidate in (os.environ.get("ET_CUDA_RUN"), REPO / ".etrt" / "run.sh", REPO.parent / "shared" / "et-runtime" / "run.sh"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from conftest import new_project
+
+    project = new_project(tmp_path_factory.mktemp("qwen-cuda"))
+    shared = {"CUDABUILD_KERNEL_CACHE": os.environ["CUDABUILD_KERNEL_CACHE"]} if os.environ.get("CUDABUILD_KERNEL_CACHE") else {}
+    assert_ok(project.export("model=qwen_moe", "target=cuda", env=project.env(**shared)))
+    return project
+
+
+def _bundle_model(project):
+    """ExecuTorch's model, eager on the GPU, from the quantize stage's bundle in the project's cache."""
+    import tempfile
+
+    from cudabuild.engine.store import Store
+    from cudabuild.models import qwen35_moe
+    from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
+
+    manifest = project.manifest("qwen_moe", "cuda")
+    stamp = json.loads((project.root / "build/qwen_moe/cuda/.stamps/quantize.json").read_text())
+    folder = Path(tempfile.mkdtemp(prefix="bundle-"))
+    store = Store(project.cache)
+    for name, sha in stamp["outputs"].items():
+        (folder / name).symlink_to(store.verified_path(sha))
+    model = qwen35_moe.load(manifest["options"], folder)
+    _move_to_cuda(model, model.config)
+    return model.eval(), manifest["options"]
+
+
+def test_the_build_verifies_logits_and_state_of_both_methods(built):
+    manifest = built.manifest("qwen_moe", "cuda")
+    assert {s["stage"] for s in manifest["stages"]} >= {"quantize", "export", "edge", "compile", "package", "verify"}
+    for method in ("decode", "prefill"):
+        report = manifest["verify"][method]
+        assert report["passed"] and report["steps"] >= 2, report
+        compared, of = report["states_compared"].split(" of ")
+        assert int(compared) > 0, report  # KV caches, conv and recurrent states were compared
+    pte = (built.root / "build/qwen_moe/cuda/model.pte").read_bytes()
+    assert b"CudaBackend" in pte and b"_so_blob" in pte
+
+
+def test_a_spec_change_does_not_quantize_again(built):
+    assert_ok(built.export("model=qwen_moe", "target=cuda", "decode.compile_wrapper_opt_level=O1"))
+    statuses = built.statuses("qwen_moe", "cuda")
+    assert statuses["quantize"] == statuses["export.decode"] == statuses["edge.decode"] == "cached"
+    assert statuses["compile.decode"] == "ran" and statuses["compile.prefill"] == "cached"
+
+
+def _write(folder: Path, name: str, tensor) -> str:
+    path = folder / f"{name}.bin"
+    tensor.contiguous().numpy().tofile(path)
+    dtype = {torch.int64: "int64", torch.float32: "float32"}[tensor.dtype]
+    return f"{dtype}:{'x'.join(map(str, tensor.shape))}:{path}"
+
+
+def _near_argmax(logits, token: int) -> bool:
+    return float(logits.max() - logits[token]) <= 5e-2 * float(logits.abs().max())
+
+
+@pytest.mark.skipif(_runner() is None, reason="ExecuTorch's C++ CUDA runner (et-runtime) is not here")
+def test_executorch_runtime_runs_prefill_then_decode_with_the_state_shared(built, tmp_path):
+    import numpy as np
+
+    from cudabuild.models import qwen35_moe
+
+    model, options = _bundle_model(built)
+    P = 9
+    prompt = (torch.arange(P) * 37 + 11) % model.config.vocab_size
+    with torch.no_grad():
+        qwen35_moe.prepare_prefill(model, options)
+        after_prompt = model(prompt[None].cuda(), torch.arange(P).cuda()).float()[0, -1].cpu()
+        first = int(after_prompt.argmax())
+        qwen35_moe.prepare_decode(model, options)
+        after_first = model(torch.tensor([[first]]).cuda(), torch.tensor([P]).cuda()).float()[0, -1].cpu()
+    temperature = torch.tensor([GREEDY])
+    build = built.root / "build/qwen_moe/cuda"
+    # Decode is fed the eager model's token, so both sides continue the same sequence; the weights
+    # and the state (KV caches, conv and recurrent states) are shared by name between the methods.
+    done = subprocess.run(
+        [str(_runner()), str(build / "model.pte"), str(build / "aoti_cuda_blob.ptd"), "prefill", str(tmp_path / "out"),
+         _write(tmp_path, "prompt", prompt[None]), _write(tmp_path, "pos", torch.arange(P)), _write(tmp_path, "t", temperature),
+         "--then", "decode", _write(tmp_path, "tok", torch.tensor([[first]])), _write(tmp_path, "dpos", torch.tensor([P])),
+         _write(tmp_path, "t", temperature)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["out_0", "float32", "1x1", "1_decode/out_0", "float32", "1x1"]
+    prefill_token = int(np.fromfile(tmp_path / "out" / "out_0.bin", dtype=np.float32)[0])
+    decode_token = int(np.fromfile(tmp_path / "out" / "1_decode" / "out_0.bin", dtype=np.float32)[0])
+    assert _near_argmax(after_prompt, prefill_token), (prefill_token, int(after_prompt.argmax()))
+    assert _near_argmax(after_first, decode_token), (decode_token, int(after_first.argmax()))
+
+
+def _dequantized(packed, scale, group: int):
+    """ExecuTorch's packed int4 experts ([E, N, K/2] int8, two values a byte, low nibble first, and
+    a bf16 scale per group of K) as float."""
+    p = packed.to(torch.int16) & 0xFF
+    values = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).flatten(-2).float() - 8  # [E, N, K]
+    return values * scale.float().repeat_interleave(group, dim=-1)
+
+
+def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_path):
+    """One Hugging Face checkpoint, read by each form's own loader; the experts the CUDA form
+    quantizes to int4 are given to the CPU form dequantized, so both hold the same weights. The
+    plain-PyTorch model (on the GPU, so both compute in bf16 there) then gives ExecuTorch's
+    model's logits, after a prompt and after a decode step."""
+    from dataclasses import replace
+
+    from cudabuild.models import checkpoint as ck
+    from cudabuild.models import qwen35_moe_quantize as quant
+    from cudabuild.models import qwen_moe as qm
+    from cudabuild.models import qwen_moe_hf as qhf
+    from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _quantize_experts_int4
+    from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
+
+    args = replace(qm.SIZES["tiny"], dtype=torch.bfloat16, max_seq_len=64)
+    source = qm.build(args, seed=0)
+    tensors = {k: v.to(torch.bfloat16) for k, v in ck.gather_tensors(source, qhf.hf_targets(args)).items()}
+    ck.save_checkpoint(tmp_path, tensors, qhf.hf_config(args, torch.bfloat16))
+
+    config = quant.model_config({"checkpoint": str(tmp_path), "layers": 0})
+    config.max_seq_len = args.max_seq_len
+    theirs = quant.checkpoint_model(str(tmp_path), config)
+    theirs.to(dtype=torch.bfloat16)
+    _quantize_experts_int4(theirs, config, 32)
+    _materialize_buffers(theirs, config)
+    _move_to_cuda(theirs, config)
+
+    ours = qhf.from_checkpoint(tmp_path, max_seq_len=args.max_seq_len, chunk=args.chunk)
+    for i, layer in enumerate(ours.layers):
+        experts = theirs.layers[i].mlp.experts
+        layer.moe.w_gate_up.data.copy_(_dequantized(experts.w1, experts.w1_scale, 32).cpu())
+        layer.moe.w_down.data.copy_(_dequantized(experts.w2, experts.w2_scale, 32).transpose(1, 2).cpu())
+    ours = ours.cuda().eval()
+
+    prompt = ((torch.arange(9) * 37 + 11) % args.vocab_size)[None].cuda()
+    with torch.no_grad():
+        want = theirs(prompt, torch.arange(9).cuda()).float()[0, -1]
+        got = ours(prompt, torch.arange(9).cuda()).float()[0]
+        token = torch.tensor([[int(want.argmax())]]).cuda()
+        want_next = theirs(token, torch.tensor([9]).cuda()).float()[0, -1]
+        got_next = ours(token, torch.tensor([9]).cuda()).float()[0]
+    for w, g in ((want, got), (want_next, got_next)):
+        assert (w - g).abs().max() <= 5e-2 * max(1.0, float(w.abs().max())), float((w - g).abs().max())
+        assert _near_argmax(w, int(g.argmax()))

@@ -1,0 +1,185 @@
+"""ExecuTorch's Qwen3.5-MoE as the cuda form of recipes/qwen_moe.py, on the CPU: what can run here.
+
+ExecuTorch's Triton kernels need a GPU, and its int4 linears (torchao's tile-packed layout) are
+packed on one; the quantize stage's steps run here with qlinear=8w, which torchao packs on the
+CPU. The CPU checks the bundle (stock format, read back by ExecuTorch's own loader), the quantize
+stage's key, the options, and the exported decode method (the stock signature and metadata).
+The GPU half (builds, verify, ExecuTorch's C++ runtime) is tests/gpu/test_qwen_moe_cuda.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from cudabuild.backend import sampled_logits
+from cudabuild.config import load_config
+from cudabuild.engine.graph import Result, Stage
+from cudabuild.engine.hashing import digest
+from cudabuild.engine.store import Store
+from cudabuild.models import qwen35_moe as q
+from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.pipeline import PIPELINE
+
+OPTIONS = q.resolve(dict(q.OPTIONS, qlinear="8w"))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bundle")
+    quant.quantize(OPTIONS, folder, "cpu")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(bundle):
+    return q.load(OPTIONS, bundle)
+
+
+@pytest.fixture(scope="module")
+def decode(model):
+    q.prepare_decode(model, OPTIONS)
+    with torch.no_grad():
+        return torch.export.export(model, q.decode_inputs(model), strict=True)
+
+
+def test_the_bundle_is_the_stock_format_and_the_stock_loader_reads_it(bundle):
+    from executorch.examples.models.qwen3_5_moe.export import load_prequantized_model
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
+
+    assert sorted(p.name for p in bundle.iterdir()) == ["config.json", "model.safetensors"]
+    config = Qwen35MoEConfig.from_hf_config(str(bundle / "config.json"))
+    assert (config.num_hidden_layers, config.num_experts, config.hidden_size) == (4, 8, 128)
+    model, _ = load_prequantized_model(str(bundle), max_seq_len=32)
+    experts = model.layers[0].mlp.experts
+    assert experts.w1.dtype == torch.int8 and experts.w1.shape == (8, 256, 64)  # int4 packed two a byte
+    assert type(model.layers[0].attn.in_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
+
+
+def test_the_bundle_holds_the_quantized_weights_and_no_runtime_state(bundle):
+    # The same seed and options quantized again give the same tensors as the bundle holds.
+    from executorch.examples.models.qwen3_5_moe.quantize_and_save import load_quantized_state_dict
+
+    saved = load_quantized_state_dict(str(bundle / "model.safetensors"))
+    assert not [k for k in saved if any(m in k for m in quant.RUNTIME_BUFFERS)]
+    config = quant.model_config(OPTIONS)
+    again = quant.seeded_model(config, OPTIONS["seed"])
+    quant.quantize_model(again, config, OPTIONS, "cpu")
+    fresh = dict(quant.weights(again))
+    assert sorted(fresh) == sorted(saved)
+    for name in ("layers.0.mlp.experts.w1", "layers.1.attn.qkv_proj.weight", "lm_head.weight", "embed_tokens.weight"):
+        a, b = fresh[name], saved[name]
+        inner = getattr(a, "__tensor_flatten__", None)
+        pairs = [(getattr(a, n), getattr(b, n)) for n in inner()[0]] if inner else [(a, b)]
+        assert all(torch.equal(x, y) for x, y in pairs), name
+
+
+def test_the_exported_decode_has_the_stock_signature_and_metadata(model, decode):
+    from executorch.examples.models.qwen3_5_moe.export import _mutable_buffer_metadata_json
+
+    assert decode.graph_signature.user_inputs == ("tokens", "input_pos", "temperature")
+    out = [n for n in decode.graph.nodes if n.op == "output"][0].args[0][0].meta["val"]
+    assert (tuple(out.shape), out.dtype) == ((1, 1), torch.float32)  # a sampled token id
+    ops = {str(n.target) for n in decode.graph.nodes if n.op == "call_function"}
+    assert {"triton.fused_moe.default", "triton.fused_deltanet_decode.default", "triton.sdpa_decode_splitk.default"} <= ops
+    metadata = q.metadata(model)
+    assert metadata["get_mutable_buffer_metadata"] == _mutable_buffer_metadata_json(model)
+    assert (metadata["get_max_seq_len"], metadata["get_vocab_size"], metadata["get_n_layers"]) == (64, 256, 4)
+
+
+def test_verify_finds_the_logits_the_sampler_draws_from(model, decode):
+    node = sampled_logits.logits_node(decode.module(), temperature_input=2)
+    assert tuple(node.meta["val"].shape) == (1, model.config.vocab_size)
+    assert node.meta["val"].dtype == torch.float32
+
+
+def test_verify_judges_the_chosen_token_by_the_eager_logits_and_every_state():
+    logits = torch.tensor([[0.10, 0.50, 0.49, -0.3]])
+    eager = [(None, logits), (None, logits)]
+    states = {"kv": torch.ones(4)}
+    near = sampled_logits.judge(eager, [torch.tensor([[1.0]]), torch.tensor([[2.0]])], states, states, 5e-2)
+    assert near["passed"] and [s["rank"] for s in near["steps"]] == [0, 1]
+    far = sampled_logits.judge(eager, [torch.tensor([[1.0]]), torch.tensor([[3.0]])], states, states, 5e-2)
+    assert not far["passed"] and far["steps"][1]["eager_argmax"] == 1
+    drifted = sampled_logits.judge(eager[:1], [torch.tensor([[1.0]])], states, {"kv": torch.full((4,), 1.2)}, 5e-2)
+    assert not drifted["passed"] and drifted["states_compared"] == "1 of 1"
+
+
+def _inputs(config, stage: Stage) -> dict:
+    stamps = {"probe": Result("p", {"torch": "2.13", "executorch": "1.4.1", "torchao": "0.18.0"}),
+              "quantize": Result("q"), "export.decode": Result("e1"), "export.prefill": Result("e2")}
+    return PIPELINE.inputs(stage, config, lambda s: stamps.get(s.id), lambda: {}, lambda folder=None: None)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return Store(tmp_path_factory.mktemp("cache"))
+
+
+def _config(store, **settings):
+    return load_config(REPO, {"model": "qwen_moe", "target": "cuda", **settings}, store)
+
+
+def test_the_quantize_stage_is_in_the_cuda_build_only(store):
+    assert [s.id for s in PIPELINE.plan(_config(store))][:3] == ["probe", "quantize", "export.decode"]
+    cpu = load_config(REPO, {"model": "qwen_moe", "target": "cpu"}, store)
+    assert "quantize" not in [s.id for s in PIPELINE.plan(cpu)]
+    assert "weights" not in _inputs(cpu, Stage("export", "decode"))  # its keys are what they were
+
+
+@pytest.mark.parametrize("settings", [
+    {"max_seq_len": "32"}, {"dense_prefill": "dequant"}, {"moe_activation_dtype": "int8"}, {"splitk": "false"},
+    {"max_autotune": "ON"}, {"decode.low_memory_mode": "ON"}, {"compile_wrapper_opt_level": "O1"},
+])
+def test_export_and_compile_settings_never_rerun_quantize(store, settings):
+    base = digest(_inputs(_config(store), Stage("quantize")))
+    assert digest(_inputs(_config(store, **settings), Stage("quantize"))) == base
+
+
+@pytest.mark.parametrize("settings", [
+    {"qlinear": "8w"}, {"qlinear_group_size": "64"}, {"hqq": "true"}, {"qembedding": "8w"}, {"seed": "7"},
+    {"size": "35b-a3b"}, {"layers": "2"},
+])
+def test_what_decides_the_weights_reruns_quantize(store, settings):
+    base = digest(_inputs(_config(store), Stage("quantize")))
+    assert digest(_inputs(_config(store, **settings), Stage("quantize"))) != base
+
+
+def test_exports_key_on_the_quantized_weights(store):
+    inputs = _inputs(_config(store), Stage("export", "prefill"))
+    assert inputs["weights"] == "q" and inputs["strict"] is True
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["target=cuda", "chunk=8"], "unknown setting 'chunk' for model qwen_moe"),
+    (["target=cpu", "qlinear=4w"], "unknown setting 'qlinear' for model qwen_moe"),
+    (["target=cuda", "qlinear=2w"], "qwen_moe option qlinear=2w: expected one of 4w, 8w, 8da4w (default 4w)"),
+    (["target=cuda", "dense_prefill=dequant", "qlinear=8w"], "dense_prefill=dequant needs qlinear=4w"),
+    (["target=cuda", "max_seq_len=3"], "max_seq_len=3: expected an integer >= 4"),
+])
+def test_an_option_the_model_cannot_take_stops_the_build_before_anything_runs(project, settings, message):
+    done = project.export("model=qwen_moe", *settings)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cudabuild: error:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr
+    assert not (project.root / "build").exists()
+
+
+def test_a_prequantized_bundle_decides_its_own_quantization(project, bundle):
+    done = project.export("model=qwen_moe", "target=cuda", f"prequantized={bundle}", "qlinear=8w")
+    assert done.returncode == 2 and "prequantized= decides" in done.stderr and "drop qlinear=8w" in done.stderr
+    (project.root / "notabundle").mkdir()
+    done = project.export("model=qwen_moe", "target=cuda", f"prequantized={project.root / 'notabundle'}")
+    assert done.returncode == 2 and "no config.json there" in done.stderr
+
+
+def test_the_adopted_bundle_is_loaded_where_it_lies(bundle, tmp_path):
+    written = quant.quantize(dict(OPTIONS, prequantized=str(bundle)), tmp_path, "cpu")
+    assert list(written) == [quant.ADOPTED]
+    assert json.loads(written[quant.ADOPTED].read_text()) == {"folder": str(bundle.resolve())}
+    loaded = q.load(dict(OPTIONS, prequantized=str(bundle)), tmp_path)
+    assert loaded.config.num_hidden_layers == 4
