@@ -11,7 +11,8 @@ released before returning, so the next method starts from an empty device.
 Reproducibility: each compile runs in a private inductor dir whose absolute path is a function of
 the action key (`$CUDABUILD_INDUCTOR_DIR/<key>`), emptied first. Inductor embeds that path in the
 generated wrapper, so the same inputs compile in the same place on every machine, and nothing a
-previous compile left there leaks in. Line tables and Triton line info, which embed source paths,
+previous compile left there leaks in; compiled Triton kernels alone come from the cache shared by
+all compiles (cudabuild.backend.kernel_cache), which Triton keys by their content. Line tables and Triton line info, which embed source paths,
 are off. Tuning decisions are restored before compiling (pinned, or from an earlier compile with
 the same tuning key) and harvested afterwards (cudabuild.backend.tuning).
 """
