@@ -32,7 +32,6 @@ share `forward(tokens, input_pos) -> last-token logits [1, V]`: `decode` (one to
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import torch
@@ -104,16 +103,7 @@ def prefill_shapes(model):
 
 def metadata(model):
     args = model.args
-    return {
-        "get_max_seq_len": args.max_seq_len,
-        "get_vocab_size": args.vocab_size,
-        "get_n_layers": args.n_layers,
-        "use_kv_cache": True,
-        "use_sdpa_with_kv_cache": False,
-        "enable_dynamic_shape": True,
-        # ExecuTorch's qwen3_5_moe runner contract: the per-session state a runner resets.
-        "get_mutable_buffer_metadata": json.dumps({"version": 1, "mutable_buffers": model.state_buffer_names()}),
-    }
+    return qwen35_moe.runner_metadata(args.max_seq_len, args.vocab_size, args.n_layers, model.state_buffer_names())
 
 
 # ExecuTorch's Qwen3.5-MoE on its CUDA backend, as its export.py builds it.

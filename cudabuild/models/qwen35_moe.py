@@ -179,17 +179,23 @@ def prefill_steps(model) -> list[tuple]:
     return steps
 
 
-def metadata(model) -> dict:
-    from executorch.examples.models.qwen3_5_moe.export import _qwen_mutable_buffer_fqns
-
-    config = model.config
+def runner_metadata(max_seq_len: int, vocab_size: int, n_layers: int, mutable_buffers: list[str]) -> dict:
+    """The constant methods ExecuTorch's Qwen3.5-MoE runner reads, for either form of the model."""
     return {
-        "get_max_seq_len": config.max_seq_len,
-        "get_vocab_size": config.vocab_size,
-        "get_n_layers": config.num_hidden_layers,
+        "get_max_seq_len": max_seq_len,
+        "get_vocab_size": vocab_size,
+        "get_n_layers": n_layers,
         "use_kv_cache": True,
         "use_sdpa_with_kv_cache": False,
         "enable_dynamic_shape": True,
         # The per-session state a runner resets and shares between methods by name.
-        "get_mutable_buffer_metadata": json.dumps({"version": 1, "mutable_buffers": _qwen_mutable_buffer_fqns(model)}),
+        "get_mutable_buffer_metadata": json.dumps({"version": 1, "mutable_buffers": mutable_buffers}),
     }
+
+
+def metadata(model) -> dict:
+    from executorch.examples.models.qwen3_5_moe.export import _qwen_mutable_buffer_fqns
+
+    config = model.config
+    return runner_metadata(config.max_seq_len, config.vocab_size, config.num_hidden_layers,
+                           _qwen_mutable_buffer_fqns(model))
