@@ -129,4 +129,11 @@ class NoWorkerOffers(ClusterError):
 
 
 class WorkerMismatch(ClusterError):
-    """A worker would key a stage differently from its driver: another toolchain, project or setting."""
+    """A worker would key a stage differently from its driver: another toolchain, project or checkpoint."""
+
+    def __init__(self, stage: str, difference: str, same: str):
+        self.stage, self.difference, self.same = stage, difference, same
+        super().__init__(f"stage {stage}: {difference}; run the workers with the driver's {same}")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.difference, self.same)
