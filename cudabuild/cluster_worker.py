@@ -59,7 +59,7 @@ def run_stage(payload: dict) -> dict:
                     "events": runner.recorder.take_own() if runner is not None else []}
         stamp = runner.read_stamp(stage)
         return {"status": status, "seconds": stamp.seconds, "reason": stamp.reason, "peak_rss": stamp.peak_rss,
-                "worker": where, "events": runner.recorder.take_own()}
+                "worker": where, "events": runner.recorder.take_own(), "run": payload["run"]}
 
 
 def _runner(payload: dict, workspace: Path) -> tuple[Runner, Stage]:

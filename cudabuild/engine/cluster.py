@@ -225,8 +225,10 @@ class Pool:
         lost = self._lost(key, work["run"], worker)
         with self._lock:
             if outcome.get("status") == "ran":
-                if key in self._ran:
-                    outcome["status"] = "remote"  # built once, for another build of this run
+                # One task per key on the scheduler: another build of this run, or another driver
+                # (the task's run), may have sent it first; it was built once, for that one.
+                if key in self._ran or outcome.get("run") != work["run"]:
+                    outcome["status"] = "remote"
                 self._ran.add(key)
             if lost and not any(r["task"] == key for r in self.retried):
                 self.retried.append({"stage": label, "task": key, "lost": lost, "ran_on": _short(worker)})
