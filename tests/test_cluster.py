@@ -266,3 +266,24 @@ def test_a_worker_killed_mid_stage_is_retried_elsewhere_and_nothing_is_half_publ
     assert all(redis.exists(f"cudabuild:blob:{sha}") for sha in record["outputs"].values())
     assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
     assert "1 retried after a worker died" in output
+
+
+@pytest.mark.slow
+def test_a_local_cluster_runs_what_must_run_and_a_stage_failing_there_fails_its_build_only(built_tiny, server, tmp_path):
+    from test_nightly import BROKEN_RECIPE
+
+    seeded_without(built_tiny, server, ["package"])
+    proj = new_project(tmp_path)
+    (proj.root / "recipes" / "broken.py").write_text(BROKEN_RECIPE)
+    result = proj.doit("nightly", "models=tiny_lm,broken", "targets=cpu", "cluster=local",
+                       env=proj.env(CUDABUILD_REMOTE=server.url, CUDABUILD_JOBS=1))
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = nightly_json(proj)
+    builds = {b["model"]: b for b in report["builds"]}
+    assert builds["tiny_lm"]["status"] == "ok" and builds["tiny_lm"]["stages"]["ran"] == 1
+    assert builds["tiny_lm"]["placement"]["package"]["name"] == "host0"  # cluster=local, CUDABUILD_JOBS=1: one worker
+    assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
+    broken = builds["broken"]
+    assert broken["status"] == "failed" and broken["failed_step"] == "export.forward"
+    assert broken["error"].startswith("on worker host0 (") and "broken on purpose" in broken["error"]
+    assert [w["name"] for w in report["cluster"]["workers"]] == ["host0"] and report["cluster"]["submitted"] == 2

@@ -343,7 +343,7 @@ class Runner:
             self.recorder.add_process(outcome["events"], f"worker {worker.get('name')} ({on}{gpu})",
                                       str(worker.get("host")), int(worker.get("pid") or 0))
         if outcome.get("status") == "failed":
-            raise CudabuildError(f"{outcome['error']} (on worker {worker.get('name')}, {on})")
+            raise CudabuildError(f"on worker {worker.get('name')} ({on}): {outcome['error']}")
         record, tier = self.store.find_record(key)
         where = self.store.remote.where if self.store.remote is not None else "none"
         if record is None or not self._restore(stage, key, inputs, record, tier):
