@@ -146,6 +146,7 @@ class Pool:
                 if self.address == LOCAL:
                     self._cluster = start_local(self.local_workers, self.local_gpus)
                     self._client = Client(self._cluster, set_as_default=False)
+                    self._client.wait_for_workers(len(self._cluster.worker_spec), timeout=120)
                 else:
                     try:  # gives up after distributed.comm.timeouts.connect (Dask's own setting)
                         self._client = Client(self.address, set_as_default=False)
@@ -158,8 +159,8 @@ class Pool:
         needs to configure the same build), sent with each of its stages."""
         return lambda label, work, asked: self.run(build, label, work, asked)
 
-    def _offered(self) -> dict[str, float]:
-        """The most of each resource one worker of the cluster offers."""
+    def _offered(self) -> tuple[int, dict[str, float]]:
+        """How many workers the cluster has, and the most of each resource one of them offers."""
         info = self._client.scheduler_info().get("workers", {})
         with self._lock:
             self._workers.update({address: {"name": str(w.get("name")), "host": w.get("host"),
@@ -168,8 +169,7 @@ class Pool:
         for worker in info.values():
             for name, amount in (worker.get("resources") or {}).items():
                 most[name] = max(most.get(name, 0.0), float(amount))
-        most[""] = float(len(info))  # how many workers there are
-        return most
+        return len(info), most
 
     def _fit(self, label: str, kind: str, asked: dict[str, float]) -> dict[str, float]:
         """What the task asks of the cluster: the row's resources and the command line's extra ones.
@@ -177,8 +177,8 @@ class Pool:
         beyond every worker runs on the largest); any other resource no worker offers is an error,
         not a task that would wait for ever."""
         wanted = dict(asked, **self.extra.get(kind, {}))
-        offered = self._offered()
-        if not offered[""]:
+        count, offered = self._offered()
+        if not count:
             raise ClusterError(f"the cluster at {self.where} has no workers; start one with "
                                f"`dask worker {self.where} --nthreads 1`")
         if MEMORY in wanted:
