@@ -38,6 +38,9 @@ class BuildConfig:
     target_note: Optional[str] = None
     autotune: str = "auto"  # auto | pin (write recipes/<model>.autotune.json)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Where build/<model>/<target>/ lives: the project's build/, or a cluster worker's own folder
+    # (cudabuild.cluster_worker), so that a worker never writes into a driver's build/.
+    build_root: Optional[Path] = None
 
     @property
     def methods(self) -> list[str]:
@@ -45,7 +48,7 @@ class BuildConfig:
 
     @property
     def build_dir(self) -> Path:
-        return self.project / "build" / self.model / self.target
+        return (self.build_root or self.project / "build") / self.model / self.target
 
     @property
     def checkpoint(self) -> Optional[Path]:
@@ -96,7 +99,7 @@ def _coerce(model: str, name: str, default: Any, raw: str, choices: Optional[lis
     return value
 
 
-def load_config(project: Path, cli: Mapping[str, str], store) -> BuildConfig:
+def load_config(project: Path, cli: Mapping[str, str], store, build_root: Optional[Path] = None) -> BuildConfig:
     """Merge the command line (`name=value` pairs) with the recipe's declarations.
 
     Every problem is collected first (unknown names, option types and choices, specs, the
@@ -150,4 +153,4 @@ def load_config(project: Path, cli: Mapping[str, str], store) -> BuildConfig:
     if problems:
         raise InvalidConfig(problems)
     options = registry.resolve_options(project, description, options, store)
-    return BuildConfig(project, model, target, options, specs, description, note, autotune)
+    return BuildConfig(project, model, target, options, specs, description, note, autotune, build_root=build_root)

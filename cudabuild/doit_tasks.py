@@ -8,7 +8,11 @@ remembers what the store already knows: deleting `.doit.db` loses nothing. A las
 summary. Bad input stops the load with one line and exit status 2, before anything runs.
 
 `nightly` builds many (model, target) pairs at once with the same sub-tasks, named
-`nightly:<model>/<target>:<stage>`, plus `nightly:report` (see cudabuild.engine.nightly).
+`nightly:<model>/<target>:<stage>`, plus `nightly:report` (see cudabuild.engine.nightly). With
+`cluster=ADDRESS` (or $DASK_SCHEDULER_ADDRESS; `local` for a cluster of this machine), a stage that
+must run is sent to a Dask cluster's workers (cudabuild.engine.cluster): doit's workers are then
+threads of this one process, each waiting on its stage's task (`-n N`: stages in flight, default
+CLUSTER_IN_FLIGHT).
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from cudabuild.engine import nightly, workers
+from cudabuild.engine import cluster, nightly, workers
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
-from cudabuild.errors import CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines, one_line
+from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines,
+                              one_line)
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.registry import list_models
 from cudabuild.engine.console.progress import CudabuildReporter, failure_lines, print_summary
@@ -72,6 +77,16 @@ def doit_option(argv: list[str], *names: str) -> str | None:
             elif len(name) == 2 and arg.startswith(name) and not arg.startswith("--") and len(arg) > 2:
                 found = arg[2:]
     return found
+
+
+def requested(task: str, argv: list[str] | None = None) -> bool:
+    """Whether the doit command line names `task` or one of its sub-tasks.
+
+    doit calls every task creator in dodo.py whatever is selected; `nightly` loads every recipe's
+    configuration, so it does that only when asked for (and `export` steps aside for it).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    return any(a == task or a.startswith(task + ":") for a in argv if not a.startswith("-") and "=" not in a)
 
 
 def recover_doit_db(argv: list[str] | None = None) -> None:
@@ -132,9 +147,25 @@ def workers_from_argv(argv: list[str], default: int) -> int:
     return max(1, int(given)) if given and given.isdigit() else default
 
 
+def _cluster_address() -> str:
+    """The Dask cluster a `nightly` is sent to ("" for none): cluster=, else $DASK_SCHEDULER_ADDRESS."""
+    if not requested("nightly"):
+        return ""
+    address = cluster.address_from(cli_vars().get("cluster", ""))
+    if address and doit_option(sys.argv[1:], "-P", "--parallel-type") not in (None, "thread"):
+        fail_fast(InvalidOption(f"cluster={address} runs doit's workers as threads that wait on the cluster's "
+                                "tasks; drop -P/--parallel-type"))
+    return address
+
+
+# Stages of a nightly on a cluster that are in flight at once, unless `-n N` says: each one is a
+# thread of the driver waiting on its task, so this only bounds what the cluster is offered.
+CLUSTER_IN_FLIGHT = 32
+CLUSTER = _cluster_address()
+
 # doit's worker processes for a run (cudabuild.engine.workers): the default, unless the command
 # line says `-n N`. Every stage's admission to run beside others is judged with the real count.
-DEFAULT_WORKERS = _default_workers()
+DEFAULT_WORKERS = CLUSTER_IN_FLIGHT if CLUSTER else _default_workers()
 WORKERS = workers_from_argv(sys.argv[1:], DEFAULT_WORKERS)
 
 
@@ -209,16 +240,6 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
     }
 
 
-def requested(task: str, argv: list[str] | None = None) -> bool:
-    """Whether the doit command line names `task` or one of its sub-tasks.
-
-    doit calls every task creator in dodo.py whatever is selected; `nightly` loads every recipe's
-    configuration, so it does that only when asked for (and `export` steps aside for it).
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    return any(a == task or a.startswith(task + ":") for a in argv if not a.startswith("-") and "=" not in a)
-
-
 def task_export():
     """Build a model: doit export model=NAME [target=auto|cpu|cuda] [OPTION=V] [SPEC=V] [METHOD.SPEC=V]"""
     if requested("nightly") and not requested("export"):
@@ -230,22 +251,55 @@ def task_export():
     yield from export_tasks(runner)
 
 
+def open_pool(address: str, resources: str, store: Store) -> cluster.Pool:
+    """The run's connection to the cluster at `address`, once the shared tier that moves the
+    artifacts is known to be there and writable, and the scheduler (not a local one) answered.
+    Every problem is one CudabuildError, before anything is built."""
+    from cudabuild.backend.cuda_env import visible_gpus
+    from cudabuild.cluster_worker import run_stage
+
+    extra = cluster.parse_resources(resources)
+    remote = store.remote
+    if remote is None:
+        raise ClusterNeedsTier(address)
+    if not remote.writable:
+        raise ClusterNeedsTier(address, f"{remote.where} is read-only here (CUDABUILD_REMOTE_MODE)")
+    if remote.server_info() is None:
+        raise ClusterNeedsTier(address, f"{remote.where} does not answer")
+    pool = cluster.Pool(address, run_stage, remote.where, extra=extra, local_workers=workers.default_workers(),
+                        local_gpus=visible_gpus())
+    return pool.connect()
+
+
 def task_nightly():
-    """Build every recipe for the targets, in parallel: doit -n 4 nightly [models=A,B] [targets=cpu,cuda]
+    """Build every recipe for the targets, in parallel: doit -n 4 nightly [models=A,B] [targets=cpu,cuda] [cluster=ADDRESS]
 
     Each (model, target) gets export's stage sub-tasks as `nightly:<model>/<target>:<stage>`, so
     `doit -n N` spreads them over N worker processes; a build that fails is reported and skipped
     without stopping the others (no --continue needed). `nightly:report` then writes
     build/nightly.json (per build: status, times, cache statistics) and exits non-zero if any
     build failed. targets defaults to auto; other NAME=VALUE settings apply to every build.
+    With cluster=ADDRESS (a Dask scheduler, or `local`) the stages that must run run on its
+    workers, and `resources=KIND:NAME=AMOUNT,...` adds to what stages of a kind ask of them.
     """
     if not requested("nightly"):
         return
     cli = cli_vars()
     project = project_root()
+    cli.pop("cluster", None)
+    resources = cli.pop("resources", "")
     models = [m for m in cli.pop("models", "").split(",") if m] or list_models(project)
     targets = [t for t in cli.pop("targets", "").split(",") if t] or ["auto"]
     store = Store()
+    pool = None
+    try:
+        if CLUSTER:
+            pool = open_pool(CLUSTER, resources, store)
+        elif resources:
+            raise InvalidOption(f"resources={resources} is what stages ask of a cluster's workers; "
+                                "give cluster=ADDRESS too (or drop it)")
+    except CudabuildError as e:
+        fail_fast(e)
     journal = nightly.Journal(project, RUN_ID)
     builds: dict[str, tuple[Runner | None, str | None]] = {}  # "model/target" -> (runner, load error)
     notes = set()
@@ -261,7 +315,11 @@ def task_nightly():
             if config.target_note and config.target_note not in notes:
                 notes.add(config.target_note)
                 print(config.target_note, file=sys.stderr)
-            runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS)
+            delegate = None
+            if pool is not None:  # what a worker needs to configure the same build
+                delegate = pool.delegate({"project": str(project), "settings": dict(cli, model=model, target=config.target)})
+            runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS,
+                            delegate=delegate)
             builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 
     for build, (runner, _) in builds.items():
@@ -283,7 +341,9 @@ def task_nightly():
                 manifest = json.loads((runner.config.build_dir / "manifest.json").read_text())
             summaries.append(nightly.summarise(build, journal.entries(build), manifest, load_error))
         remote = store.remote.server_info() if store.remote is not None else None
-        data = nightly.report(summaries, STARTED_AT, remote)
+        data = nightly.report(summaries, STARTED_AT, remote, pool.summary() if pool is not None else None)
+        if pool is not None:
+            pool.close()
         atomic_write_text(project / "build" / "nightly.json", json.dumps(data, indent=1))
         journal.clear()
         nightly.print_report(data)
@@ -307,6 +367,7 @@ DOIT_CONFIG = {
     "default_tasks": ["export"],
     # 0 is doit's in-process runner: one stage at a time without a worker process.
     "num_process": DEFAULT_WORKERS if DEFAULT_WORKERS > 1 else 0,
+    "par_type": "thread" if CLUSTER else "process",  # on a cluster, one driver process holds the one connection
     "reporter": CudabuildReporter,
     "verbosity": 2,
 }

@@ -91,3 +91,49 @@ def error_lines(exc: BaseException) -> list[str]:
     settings says each), else its one line."""
     problems = getattr(exc, "problems", None)
     return [str(p) for p in problems] if problems else [one_line(exc)]
+
+
+class ClusterError(CudabuildError):
+    """A build sent to a Dask cluster (`doit nightly cluster=...`) cannot go on; the message says why and what to do."""
+
+
+class ClusterNeedsTier(ClusterError):
+    def __init__(self, address: str, why: str = "none is set"):
+        self.address, self.why = address, why
+        super().__init__(f"cluster={address}: the workers hand their artifacts to the driver through the shared tier, "
+                         f"and {why}; set CUDABUILD_REMOTE=redis://HOST:PORT/DB (or s3://BUCKET/PREFIX) here and "
+                         "on every worker")
+
+    def __reduce__(self):
+        return type(self), (self.address, self.why)
+
+
+class SchedulerUnreachable(ClusterError):
+    def __init__(self, address: str, reason: str):
+        self.address, self.reason = address, reason
+        super().__init__(f"cannot reach the Dask scheduler at {address} ({reason}); start one (`dask scheduler`) "
+                         "or fix cluster= / DASK_SCHEDULER_ADDRESS")
+
+    def __reduce__(self):
+        return type(self), (self.address, self.reason)
+
+
+class NoWorkerOffers(ClusterError):
+    def __init__(self, stage: str, resource: str, amount: float, address: str):
+        self.stage, self.resource, self.amount, self.address = stage, resource, amount, address
+        super().__init__(f"stage {stage} asks for {resource}={amount:g} and no worker of the cluster at {address} "
+                         f"offers it; start one with `dask worker {address} --nthreads 1 --resources {resource}=1`")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.resource, self.amount, self.address)
+
+
+class WorkerMismatch(ClusterError):
+    """A worker would key a stage differently from its driver: another toolchain, project or checkpoint."""
+
+    def __init__(self, stage: str, difference: str, same: str):
+        self.stage, self.difference, self.same = stage, difference, same
+        super().__init__(f"stage {stage}: {difference}; run the workers with the driver's {same}")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.difference, self.same)

@@ -123,14 +123,15 @@ def _compile_alone(config, method) -> str | None:
 
 
 def _accelerator(config, method) -> str | None:
-    """Compile (tuning, and the move to the device) and verify use the target's device."""
+    """Compile (tuning, and the move to the device), verify and, on cuda, the probe use the target's device."""
     return config.target if config.target != "cpu" else None
 
 
 PIPELINE = Pipeline(
     [
+        # On cuda the probe asks the device its capability: on a cluster it runs on a GPU worker.
         StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
-                  predict_value=toolchain.predict_probe_value),
+                  predict_value=toolchain.predict_probe_value, device=_accelerator),
         StageKind("quantize", version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
                   params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False),
         StageKind("export", version=3, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),

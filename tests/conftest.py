@@ -33,10 +33,11 @@ class Project:
         return self.root / "build" / "tiny_lm" / "cpu"
 
     def env(self, **extra) -> dict:
-        # Hermetic: a developer's own inductor, Triton or cudabuild settings (a shared Redis, another
-        # inductor dir) must not reach a test's build; tests that want one pass it in `extra`.
+        # Hermetic: a developer's own inductor, Triton, cudabuild or Dask settings (a shared Redis,
+        # another inductor dir, a scheduler) must not reach a test's build; tests that want one pass
+        # it in `extra`.
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "CUDABUILD_", "AOT_INDUCTOR_"))}
+               if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "CUDABUILD_", "AOT_INDUCTOR_", "DASK_"))}
         # One stage at a time unless a test asks for more (CUDABUILD_JOBS=N): up to 4 tests build
         # at once on 2 cores, and a build's second worker would import torch and ExecuTorch again.
         # The run's shared tiny build (_build_tiny) uses two workers: the default path of a

@@ -326,3 +326,28 @@ def gpu_present(
     if glob.glob(os.path.join(proc_root, "driver", "nvidia", "gpus", "*")):
         return True
     return any(name[len("nvidia"):].isdigit() for name in _nvidia_device_nodes(dev_root))
+
+
+def visible_gpus(
+    environ: Optional[Mapping[str, str]] = None,
+    *,
+    proc_root: str = "/proc",
+    dev_root: str = "/dev",
+) -> list[str]:
+    """The GPUs a process here may use, as CUDA_VISIBLE_DEVICES entries, without torch: that
+    variable's list when it is set (up to an entry that hides the rest), else one index per GPU the
+    driver lists (or /dev/nvidiaN node). What `cluster=local` starts one GPU worker for."""
+    environ = os.environ if environ is None else environ
+    if not gpu_present(environ, proc_root=proc_root, dev_root=dev_root):
+        return []
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        listed = []
+        for entry in (e.strip() for e in value.split(",")):
+            if entry in ("", "-1"):
+                break
+            listed.append(entry)
+        return listed
+    count = len(glob.glob(os.path.join(proc_root, "driver", "nvidia", "gpus", "*")))
+    count = count or sum(1 for name in _nvidia_device_nodes(dev_root) if name[len("nvidia"):].isdigit())
+    return [str(i) for i in range(count)]

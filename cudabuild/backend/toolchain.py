@@ -70,6 +70,30 @@ def cheap_fingerprint(target: str) -> dict:
     return fp
 
 
+# Cheap-fingerprint fields that hold on this machine only (a file's inode and mtime, the GPUs' bus
+# addresses, which devices this process sees): machines sharing keys need not agree on them.
+_MACHINE_LOCAL = {("compiler", "stat"), ("cuda", "installs"), ("cuda", "path_tools"), ("cuda", "gpus"),
+                  ("cuda", "device_nodes"), ("cuda", "env", "CUDA_VISIBLE_DEVICES"), ("cuda", "env", "CUDA_DEVICE_ORDER")}
+
+
+def fingerprint_difference(here: dict, there: dict) -> str | None:
+    """The first field where two cheap fingerprints differ in what decides a build (package
+    versions, python, the inductor/Triton environment, ...), as "FIELD: THERE here HERE"; None when
+    they agree. A cluster's worker builds under its driver's fingerprint, and checks it so."""
+
+    def walk(a, b, path):
+        if path in _MACHINE_LOCAL:
+            return None
+        if isinstance(a, dict) and isinstance(b, dict):
+            for name in sorted(set(a) | set(b)):
+                if (found := walk(a.get(name), b.get(name), path + (name,))) is not None:
+                    return found
+            return None
+        return None if a == b else f"{'.'.join(path)}: {b!r} there, {a!r} here"
+
+    return walk(here, there, ())
+
+
 def _compiler_version(cxx: str | None) -> str | None:
     if not cxx:
         return None

@@ -5,7 +5,8 @@
 - runner.py: `Runner.decide` (cached -> restorable -> run) and running a stage; stamp.py;
 - store.py: the local content-addressed store (records.py, hashing.py, files.py, diskcache_rows.py);
 - beside the core: explain.py (why a stage runs), workers.py and memory.py (stages side by side),
-  cache_admin.py (cache stats, verify, gc), nightly.py;
+  cache_admin.py (cache stats, verify, gc), nightly.py, cluster.py (stages that must run sent to a
+  Dask cluster's workers);
 - tiers/: the shared tiers behind the store; console/: the terminal, progress, trace.json, report.
 
 It knows stages only as rows of the table it is handed (cudabuild.pipeline's), and imports neither

@@ -10,7 +10,9 @@ of its build is skipped, and doit sees a success, so one model's failure never s
 The journal lives in build/.nightly/<run id>/, one small JSON file per finished stage, because
 `doit -n` runs stages in separate worker processes. The last sub-task reads it, writes
 build/nightly.json (per build: status, times, cache statistics; totals; the remote tier's numbers)
-and fails the run when any build failed. Nothing here imports torch.
+and fails the run when any build failed. Nothing here imports torch. On a cluster
+(cudabuild.engine.cluster) each build also says where each stage ran (`placement`) and which
+were retried after their worker died (`retried`), and nightly.json says what was sent (`cluster`).
 """
 
 from __future__ import annotations
@@ -112,11 +114,21 @@ def summarise(build: str, entries: list[dict], manifest: Optional[dict], load_er
         summary["run_seconds"] = round(sum(r["seconds"] for r in rows), 3)
         summary["saved_seconds"] = round(sum(r.get("saved_seconds") or 0.0 for r in rows if r["status"] != "ran"), 3)
         summary["outputs"] = manifest["outputs"]
+        placed = {_stage_id(r): r["worker"] for r in rows if r.get("worker")}
+        if placed:  # stage -> the cluster's worker it ran on: host, pid, GPU, address
+            summary["placement"] = {s: {k: w.get(k) for k in ("name", "host", "pid", "gpu", "address")}
+                                    for s, w in placed.items()}
+            summary["retried"] = {s: w["lost"] for s, w in placed.items() if w.get("lost")}
     return summary
 
 
-def report(builds: list[dict], started: float, remote: Optional[dict]) -> dict:
-    """nightly.json: the builds, totals over them, and the remote tier's own numbers (or None)."""
+def _stage_id(row: dict) -> str:
+    return f"{row['stage']}.{row['method']}" if row.get("method") else row["stage"]
+
+
+def report(builds: list[dict], started: float, remote: Optional[dict], cluster: Optional[dict] = None) -> dict:
+    """nightly.json: the builds, totals over them, the remote tier's own numbers (or None), and on
+    a cluster where it was, its workers, how many tasks were sent and which were retried."""
     counts = Counter()
     for b in builds:
         counts.update(b.get("stages", {}))
@@ -134,6 +146,7 @@ def report(builds: list[dict], started: float, remote: Optional[dict]) -> dict:
             "saved_seconds": round(sum(b.get("saved_seconds", 0.0) for b in builds), 3),
         },
         "remote": remote,
+        **({"cluster": cluster} if cluster is not None else {}),
     }
 
 
@@ -148,5 +161,10 @@ def print_report(data: dict, out=None) -> None:
     cache = data["cache"]
     rate = "n/a" if cache["hit_rate"] is None else f"{cache['hit_rate']:.0%}"
     out.write(f"  cache: hit rate {rate}, {cache['saved_seconds']:.1f}s saved\n")
+    if "cluster" in data:
+        c = data["cluster"]
+        retried = f", {len(c['retried'])} retried after a worker died" if c["retried"] else ""
+        workers = f"{len(c['workers'])} workers" if c["workers"] else "not started (nothing to run)"
+        out.write(f"  cluster {c['address']}: {workers}, {c['submitted']} stages sent{retried}\n")
     out.flush()
 

@@ -17,11 +17,15 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
 Execution of one key is serialised across processes with an flock, so two builds sharing a cache
 never compile the same key at the same time; the second one restores what the first stored. With
 a shared tier, a lease there does the same across machines (see `_claim`).
+With a `delegate` (a Dask cluster's, cudabuild.engine.cluster), a stage that must run is run by a
+worker instead, which publishes it to the shared tier; it is then restored from there like any
+record, its stamp saying it ran, where, and how long it took.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import importlib
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import cache_admin, memory, workers
+from cudabuild.engine import cache_admin, cluster, memory, workers
 from cudabuild.engine.console import terminal, trace
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.explain import reason as explain_reason
@@ -129,6 +133,11 @@ class Runner:
     logs: dict = field(default_factory=dict)  # stage id -> the log this process's run of it wrote
     # How many stages this build runs at once (doit's worker processes): see cudabuild.engine.workers.
     workers: int = 1
+    # Where a stage that must run is run, when not here: (label, work, resources) -> the outcome its
+    # worker reports, once its record is in the shared tier (cudabuild.engine.cluster.Pool.delegate).
+    delegate: Optional[Callable[[str, dict, dict], dict]] = None
+    # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use, or
+    # handed in (a cluster's worker keys on its driver's, cudabuild.cluster_worker).
     _fingerprint: Optional[dict] = None
     _recorder: Optional[trace.Recorder] = None
     _started_in: int = field(default_factory=os.getpid)
@@ -274,6 +283,8 @@ class Runner:
             status = self._restore(stage, key, inputs, decision.record, decision.tier)
             if status:
                 return self._note(stage, status)
+        if self.delegate is not None:
+            return self._note(stage, self._delegated(stage, decision))
         with self._key_lock(key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
@@ -311,6 +322,48 @@ class Runner:
             if not polls:
                 self.log(f"{stage.id}: another builder is building {key[:12]}; waiting for its result")
             remote.wait_for_result(key, deadline)
+
+    def _delegated(self, stage: Stage, decision: Decision) -> str:
+        """Have the delegate run the stage (on a cluster's worker), then restore the record it
+        published to the shared tier: `ran` when that worker built it, `remote` when it found it
+        built already. Its stamp says where it ran, for how long, and why."""
+        key, inputs = decision.key, decision.inputs
+        upstream = {}
+        for dependency in self.pipeline.dependencies(stage, self.config):
+            stamp = self.require_stamp(dependency)
+            upstream[dependency.id] = dataclasses.asdict(stamp)
+        work = {"stage": [stage.kind, stage.method], "key": key, "inputs": inputs, "upstream": upstream,
+                "fingerprint": self.fingerprint(), "run": self.run_id}
+        label = f"{self.config.model}/{self.config.target}:{stage.id}"
+        outcome = self.delegate(label, work, self.resources(stage, inputs))
+        worker = outcome.get("worker") or {}
+        on = f"{worker.get('host')}:{worker.get('pid')}"
+        if outcome.get("events"):
+            gpu = f", GPU {worker['gpu']}" if worker.get("gpu") not in (None, "") else ""
+            self.recorder.add_process(outcome["events"], f"worker {worker.get('name')} ({on}{gpu})",
+                                      str(worker.get("host")), int(worker.get("pid") or 0))
+        if outcome.get("status") == "failed":
+            raise CudabuildError(f"on worker {worker.get('name')} ({on}): {outcome['error']}")
+        record, tier = self.store.find_record(key)
+        where = self.store.remote.where if self.store.remote is not None else "none"
+        if record is None or not self._restore(stage, key, inputs, record, tier):
+            raise CudabuildError(f"stage {stage.id} {outcome.get('status')} on worker {worker.get('name')} ({on}), "
+                                 f"but its record {key[:12]} is not in the shared tier {where}: start the workers "
+                                 "with the driver's CUDABUILD_REMOTE")
+        status = "ran" if outcome.get("status") == "ran" else "remote"
+        restored = self.require_stamp(stage)
+        self._write_stamp(stage, restored.replace(
+            status=status, seconds=float(outcome.get("seconds") or 0.0) if status == "ran" else 0.0,
+            reason=outcome.get("reason") if status == "ran" else None,
+            peak_rss=outcome.get("peak_rss") if status == "ran" else None,
+            saved_seconds=None if status == "ran" else restored.saved_seconds, worker=worker or None))
+        return status
+
+    def resources(self, stage: Stage, inputs: dict) -> dict[str, float]:
+        """What the stage asks of a cluster's worker: one of its row's device, and its memory estimate."""
+        row = self.pipeline.row(stage)
+        device = row.device(self.config, stage.method) if row.device else None
+        return cluster.resources_for(device, self.memory_estimate(stage, inputs))
 
     def _note(self, stage: Stage, status: str) -> str:
         self.statuses[stage.id] = status
@@ -508,6 +561,8 @@ class Runner:
                 entry["reason"] = stamp.reason
             if this_run and stamp.peak_rss:
                 entry["peak_rss"] = stamp.peak_rss  # bytes resident at the stage's peak (sampled)
+            if this_run and stamp.worker:
+                entry["worker"] = stamp.worker  # the cluster's worker it ran on (cudabuild.engine.cluster)
             if status in ("restored", "remote", "cached"):
                 entry["saved_seconds"] = stamp.cost_seconds if stamp else 0.0
             stages.append(entry)

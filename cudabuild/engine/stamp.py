@@ -35,6 +35,9 @@ class Stamp:
     reason: Optional[str] = None  # why it ran (None for a restore)
     saved_seconds: Optional[float] = None  # a restore: what the run it replaced took
     peak_rss: Optional[int] = None  # a run: the process's resident bytes at the stage's peak (sampled)
+    # A run on a cluster's worker (cudabuild.engine.cluster): where it ran (address, name, host, pid,
+    # gpu) and, under `lost`, the workers that died running it before.
+    worker: Optional[dict] = None
 
     @property
     def result(self) -> Result:

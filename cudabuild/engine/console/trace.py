@@ -8,7 +8,9 @@ compile, store writes, uploads) and a `manifest` span.
 
 Spans are recorded where they happen, which under `doit -n N` is several processes: each appends
 complete events to `build/<model>/<target>/.trace/<pid>.jsonl`, and the manifest task merges this
-run's events into trace.json. A lost or damaged part file loses its spans, never the build.
+run's events into trace.json. A lost or damaged part file loses its spans, never the build. A stage
+run on a cluster's worker (cudabuild.engine.cluster) is recorded there, handed back with its result
+(`take_own`), and added to the driver's part file as one process row per worker (`add_process`).
 Engine half; the inductor phases are reported by cudabuild.backend.inductor_phases.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -90,6 +93,38 @@ class Recorder:
             if end - start >= min_seconds * 1e6:
                 self.complete(name, start, end, category, **{**args, **extra})
 
+    def take_own(self) -> list[dict]:
+        """This process's events of this run, removed from its part file: what a cluster worker
+        hands back to the driver with a stage it ran (it runs one stage at a time)."""
+        part = self.dir / f"{os.getpid()}.jsonl"
+        with self._lock:
+            try:
+                lines = part.read_text().splitlines()
+                part.unlink()
+            except OSError:
+                return []
+        taken = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("args", {}).get("run") == self.run_id:
+                    taken.append(event)
+        return taken
+
+    def add_process(self, events: list[dict], name: str, host: str, pid: int) -> None:
+        """Events recorded by another process, on another machine perhaps (a cluster worker's), as
+        that process's own row, named `name`. The row's pid is derived from (host, pid), so one
+        worker keeps one row however many stages it runs, and two hosts' pids cannot collide."""
+        row = 1_000_000 + zlib.crc32(f"{host}:{pid}".encode()) % 9_000_000
+        lines = [json.dumps({"name": "process_name", "ph": "M", "cat": "process", "pid": row, "tid": 0,
+                             "args": {"name": name, "run": self.run_id}}, sort_keys=True)]
+        for event in events:
+            lines.append(json.dumps(dict(event, pid=row, args=dict(event.get("args", {}), run=self.run_id)), sort_keys=True))
+        with self._lock, contextlib.suppress(OSError):  # the timeline must never fail a build
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dir / f"{os.getpid()}.jsonl", "a") as part:
+                part.write("".join(line + "\n" for line in lines))
+
     def merge(self, build_start_us: float, build_end_us: float, **args) -> Path:
         """Write trace.json from this run's events (every part file), with the whole build's span."""
         events = []
@@ -113,7 +148,12 @@ class Recorder:
         events.append({"name": "build", "cat": "build", "ph": "X", "ts": round(build_start_us, 1),
                        "dur": round(build_end_us - build_start_us, 1), "pid": os.getpid(), "tid": 0,
                        "args": dict(args, run=self.run_id)})
-        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        rows = {}  # a worker's row is named once, however many of its stages were added
+        for event in events:
+            if event.get("ph") == "M":
+                rows.setdefault((event["pid"], event["name"]), event)
+        events = list(rows.values()) + [e for e in events if e.get("ph") != "M"]
+        events.sort(key=lambda e: (e.get("ts", 0.0), -e.get("dur", 0.0)))
         path = self.dir.parent / "trace.json"
         atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0))
         return path

@@ -1,0 +1,291 @@
+"""`doit nightly cluster=ADDRESS` (cudabuild.engine.cluster, cudabuild.cluster_worker): stages sent
+to a real Dask cluster, their artifacts moved through a real Redis tier on loopback.
+
+The cluster is a real `dask scheduler` and two real `dask worker` processes (one thread each, no
+nanny, so a killed worker stays dead), one of them offering GPU=1 without a GPU. The cuda rule of
+the pipeline table (compile and verify on cuda ask GPU=1) cannot run on a CPU, so the end-to-end
+test plays it with the documented `resources=compile:GPU=1` (what stages of a kind ask beside
+their row's), and the table's own rule is checked on a cuda configuration without building it.
+To stay cheap, each end-to-end test seeds the tier from the run's one tiny build and removes the
+records of the few stages it wants run: everything else is restored from the tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Project, assert_ok, new_project
+from cudabuild.config import load_config
+from cudabuild.engine import cluster
+from cudabuild.engine.graph import Stage
+from cudabuild.engine.runner import Runner
+from cudabuild.engine.store import Store
+from cudabuild.errors import InvalidOption
+from test_remote import STAGES, _free_port, seed, server  # noqa: F401  (server: the Redis fixture)
+
+NIGHTLY = ("nightly", "models=tiny_lm", "targets=cpu")
+# The driver's own process, run in-process so that what it imported and its peak RSS can be read
+# (VmHWM: its peak since exec; getrusage's ru_maxrss keeps that of the process it was forked from).
+DRIVER = (
+    "import sys; from doit.doit_cmd import DoitMain; sys.argv = ['doit'] + sys.argv[1:];\n"
+    "rc = DoitMain().run(sys.argv[1:]);\n"
+    "hwm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'));\n"
+    "print('DRIVER', 'torch' in sys.modules, hwm, rc)"
+)
+
+
+@dataclasses.dataclass
+class DaskCluster:
+    address: str
+    workers: dict[str, subprocess.Popen]  # name -> its process (the worker itself: no nanny)
+
+
+def _dask(*args: str, env: dict, cwd: Path, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "dask", *args], env=env, cwd=cwd, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture
+def dask_cluster(tmp_path, server):
+    """A scheduler and two workers on loopback: `gpu` (GPU=1) and `cpu`, sharing the tier `server`.
+    A worker imports cudabuild from the project a test builds (its path is given per test, through
+    $CUDABUILD_PROJECT and PYTHONPATH in `start`)."""
+    started: list[subprocess.Popen] = []
+
+    def start(project: Project) -> DaskCluster:
+        env = project.env(CUDABUILD_REMOTE=server.url, CUDABUILD_REMOTE_LEASE_SECONDS=2, PYTHONPATH=project.root)
+        port = _free_port()
+        address = f"tcp://127.0.0.1:{port}"
+        started.append(_dask("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+                             env=env, cwd=project.root, log=tmp_path / "scheduler.log"))
+        workers = {}
+        for name, extra in (("gpu", ["--resources", "GPU=1"]), ("cpu", [])):
+            workers[name] = _dask("worker", address, "--name", name, "--nthreads", "1", "--no-nanny", "--no-dashboard",
+                                  "--local-directory", str(tmp_path / f"worker-{name}"), *extra,
+                                  env=env, cwd=project.root, log=tmp_path / f"worker-{name}.log")
+            started.append(workers[name])
+        from distributed import Client
+
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+        return DaskCluster(address, workers)
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def seeded_without(built: Project, server, stages: list[str]) -> dict[str, str]:
+    """Seed the tier from the run's tiny build, less the records of `stages` ({stage: its key})."""
+    seed(built, server)
+    keys = {s: json.loads((built.build_dir / ".stamps" / f"{s}.json").read_text())["key"] for s in stages}
+    assert server.client().delete(*(f"cudabuild:rec:{k}" for k in keys.values())) == len(keys)
+    return keys
+
+
+def nightly_json(project: Project) -> dict:
+    return json.loads((project.root / "build" / "nightly.json").read_text())
+
+
+# -- without a cluster: resources, and what stops a run before it builds ---------------------------------
+
+
+def test_resources_come_from_the_pipeline_table_and_the_command_line(built_tiny, tmp_path):
+    proj = built_tiny.copy(tmp_path)
+    store = Store(proj.cache)
+    cpu = load_config(proj.root, {"model": "tiny_lm", "target": "cpu"}, store)
+    # The table's rule on cuda (compile and verify, and the probe, ask the device), without a GPU:
+    cuda = dataclasses.replace(cpu, target="cuda")
+    on_cuda, on_cpu = Runner(cuda, store, "r"), Runner(cpu, store, "r")
+    asked = {s.id: on_cuda.resources(s, {"stage": s.kind}) for s in cpu.pipeline.plan(cuda)}
+    assert {s for s, r in asked.items() if r.get("GPU") == 1} == {"probe", "compile.decode", "compile.prefill",
+                                                                   "verify.decode", "verify.prefill"}
+    # On cpu nothing asks a GPU; memory is the admission's estimate (here: the last run's peak).
+    compile_decode = Stage("compile", "decode")
+    asked = on_cpu.resources(compile_decode, on_cpu.inputs(compile_decode))
+    assert "GPU" not in asked and asked["MEMORY"] == on_cpu.memory_estimate(compile_decode, on_cpu.inputs(compile_decode)) > 0
+    store.close()
+    assert cluster.parse_resources("compile:GPU=1, verify:GPU=1,export:BIG=2") == {
+        "compile": {"GPU": 1.0}, "verify": {"GPU": 1.0}, "export": {"BIG": 2.0}}
+    with pytest.raises(InvalidOption, match="cannot read compile, verify:GPU=0"):
+        cluster.parse_resources("compile,verify:GPU=0")
+
+
+def test_a_cluster_needs_a_reachable_scheduler_and_a_shared_tier(server, tmp_path):
+    proj = new_project(tmp_path)
+    unreachable = f"tcp://127.0.0.1:{_free_port()}"
+    runs = {
+        "no tier": proj.doit(*NIGHTLY, "cluster=local"),
+        "no scheduler": proj.doit(*NIGHTLY, env=proj.env(CUDABUILD_REMOTE=server.url, DASK_SCHEDULER_ADDRESS=unreachable,
+                                                        DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT="2s")),
+        "resources alone": proj.doit(*NIGHTLY, "resources=compile:GPU=1"),
+    }
+    for case, result in runs.items():
+        errors = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        assert result.returncode == 2 and len(errors) == 1 and errors[0].startswith("cudabuild: error: "), (case, errors)
+    assert "shared tier, and none is set; set CUDABUILD_REMOTE=redis://" in runs["no tier"].stderr
+    assert f"cannot reach the Dask scheduler at {unreachable}" in runs["no scheduler"].stderr
+    assert "give cluster=ADDRESS too" in runs["resources alone"].stderr
+    store = Store(proj.cache)
+    assert not (proj.root / "build").exists() and not list(store.records())  # nothing built, nothing cached
+    store.close()
+
+
+def test_a_worker_refuses_a_stage_it_would_key_differently(built_tiny, server, tmp_path, monkeypatch):
+    """cluster_worker: the driver's fingerprint keys the probe, so only what decides a build must agree
+    (not a compiler's inode, nor which GPU a worker sees); and the stage's key must be the driver's."""
+    from cudabuild.backend.toolchain import cheap_fingerprint, fingerprint_difference
+    from cudabuild.cluster_worker import _runner
+    from cudabuild.engine.hashing import digest
+    from cudabuild.errors import WorkerMismatch
+
+    here = cheap_fingerprint("cpu")
+    elsewhere = json.loads(json.dumps(here))
+    elsewhere["compiler"]["stat"] = [1, 2, 3]
+    assert fingerprint_difference(here, elsewhere) is None
+    elsewhere["packages"]["torch"] = "2.11.0"
+    assert fingerprint_difference(here, elsewhere) == f"packages.torch: '2.11.0' there, {here['packages']['torch']!r} here"
+
+    proj = built_tiny.copy(tmp_path)
+    seed(proj, server)
+    monkeypatch.setenv("CUDABUILD_REMOTE", server.url)
+    store = Store(proj.cache)
+    config = load_config(proj.root, {"model": "tiny_lm", "target": "cpu"}, store)
+    driver = Runner(config, store, "r")
+    stage = Stage("compile", "decode")
+    inputs = json.loads(json.dumps(driver.inputs(stage)))
+    inputs["specs"]["low_memory_mode"] = "ON"  # the driver was given a setting the worker was not
+    payload = {"build": {"project": str(proj.root), "settings": {"model": "tiny_lm", "target": "cpu"}},
+               "stage": ["compile", "decode"], "key": digest(inputs), "inputs": inputs, "run": "r",
+               "upstream": {d.id: dataclasses.asdict(driver.read_stamp(d)) for d in config.pipeline.dependencies(stage, config)},
+               "fingerprint": here, "tier": store.remote.where}
+    with pytest.raises(WorkerMismatch, match=r"this worker keys it \w+, its driver \w+ \(spec low_memory_mode: ON -> OFF\)"):
+        _runner(payload, tmp_path / "worker")
+    with pytest.raises(WorkerMismatch, match="toolchain is not its driver's .packages.torch"):
+        _runner(dict(payload, fingerprint=elsewhere), tmp_path / "worker")
+    store.close()
+
+
+# -- on a cluster ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_stages_spread_over_the_workers_gpu_stages_on_the_gpu_worker_each_key_built_once(built_tiny, server,
+                                                                                         dask_cluster, tmp_path):
+    wanted = seeded_without(built_tiny, server, ["edge.decode", "edge.prefill", "compile.decode", "compile.prefill"])
+    proj = new_project(tmp_path / "driver")  # a fresh machine: an empty cache, nothing built
+    dask = dask_cluster(proj)
+    env = proj.env(CUDABUILD_REMOTE=server.url)
+    result = proj.doit(*NIGHTLY, f"cluster={dask.address}", "resources=compile:GPU=1", env=env)
+    assert_ok(result)
+    build, = nightly_json(proj)["builds"]
+    statuses = proj.statuses()
+    # What had no record ran, once each, on the cluster; everything else came from the tier (the
+    # rebuilt compiles have the bytes they had, so package and verify kept their keys).
+    ran = {s for s, status in statuses.items() if status == "ran"}
+    assert ran == set(wanted) and set(statuses.values()) == {"ran", "remote"}
+    rows = {f"{r['stage']}.{r['method']}" if r["method"] else r["stage"]: r for r in proj.manifest()["stages"]}
+    assert {s: rows[s]["key"] for s in ran} == wanted  # compiles == unique keys
+    assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
+    placed = build["placement"]
+    assert set(placed) == ran and build["retried"] == {}
+    assert {placed["compile.decode"]["name"], placed["compile.prefill"]["name"]} == {"gpu"}  # GPU=1: the gpu worker only
+    assert {w["name"] for w in placed.values()} == {"gpu", "cpu"}  # the two edges, side by side
+    for worker in placed.values():
+        assert worker["pid"] == dask.workers[worker["name"]].pid and worker["host"] == socket.gethostname()
+    report = nightly_json(proj)["cluster"]
+    assert report["submitted"] == 4 and report["retried"] == []
+    assert {w["name"]: w["resources"] for w in report["workers"]} == {"gpu": {"GPU": 1.0}, "cpu": {}}
+    # trace.json: one process row per worker, holding the runs of the stages it ran.
+    events = json.loads((proj.build_dir / "trace.json").read_text())["traceEvents"]
+    rows_named = {e["args"]["name"].split()[1]: e["pid"] for e in events if e.get("ph") == "M"}
+    assert set(rows_named) == {"gpu", "cpu"}
+    for stage in ran:  # its span on the driver waits for the task; the worker's runs it
+        run_on = {e["pid"] for e in events if e["name"] == stage and e.get("args", {}).get("status") == "ran"}
+        assert rows_named[placed[stage]["name"]] in run_on, stage
+
+    # A no-op through the cluster sends no task and imports no torch in the driver; nor does a
+    # fresh machine, which restores everything from the tier.
+    for project in (proj, new_project(tmp_path / "fresh")):
+        driver = subprocess.run([sys.executable, "-c", DRIVER, *NIGHTLY, f"cluster={dask.address}"], cwd=project.root,
+                                env=project.env(CUDABUILD_REMOTE=server.url), capture_output=True, text=True, timeout=120)
+        assert_ok(driver)
+        torch_imported, peak_rss, rc = driver.stdout.split("DRIVER ")[1].split()[:3]
+        assert (torch_imported, rc) == ("False", "0") and int(peak_rss) < 300 * 2**20
+        assert nightly_json(project)["cluster"]["submitted"] == 0
+        assert set(project.statuses().values()) == ({"cached"} if project is proj else {"remote"})
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_stage_is_retried_elsewhere_and_nothing_is_half_published(built_tiny, server,
+                                                                                      dask_cluster, tmp_path):
+    key = seeded_without(built_tiny, server, ["package"])["package"]
+    proj = new_project(tmp_path / "driver")
+    dask = dask_cluster(proj)
+    driver = subprocess.Popen([sys.executable, "-m", "doit", *NIGHTLY, f"cluster={dask.address}"], cwd=proj.root,
+                              env=proj.env(CUDABUILD_REMOTE=server.url), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    redis = server.client()
+    try:
+        # The worker that takes the package holds its build lease while it imports and runs it:
+        # kill it then, before anything is published.
+        deadline = time.monotonic() + 120
+        while (token := redis.get(f"cudabuild:lease:{key}")) is None:
+            assert time.monotonic() < deadline and driver.poll() is None, "no worker took the package"
+            time.sleep(0.05)
+        killed = int(token.decode().split(":")[1])
+        name = next(n for n, p in dask.workers.items() if p.pid == killed)
+        assert redis.get(f"cudabuild:rec:{key}") is None
+        os.kill(killed, signal.SIGKILL)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    build, = nightly_json(proj)["builds"]
+    other = next(n for n in dask.workers if n != name)
+    assert build["status"] == "ok" and build["placement"]["package"]["name"] == other
+    lost, = build["retried"]["package"]
+    assert (lost["name"], lost["pid"]) == (name, killed)
+    assert nightly_json(proj)["cluster"]["retried"][0]["stage"] == "tiny_lm/cpu:package"
+    # Published whole, once: the record the retry wrote names blobs the tier holds, and the outputs
+    # are the ones the tiny build made.
+    assert proj.statuses() == {s: ("ran" if s == "package" else "remote") for s in STAGES}
+    record = json.loads(redis.get(f"cudabuild:rec:{key}"))["record"]
+    assert all(redis.exists(f"cudabuild:blob:{sha}") for sha in record["outputs"].values())
+    assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
+    assert "1 retried after a worker died" in output
+
+
+@pytest.mark.slow
+def test_a_local_cluster_runs_what_must_run_and_a_stage_failing_there_fails_its_build_only(built_tiny, server, tmp_path):
+    from test_nightly import BROKEN_RECIPE
+
+    seeded_without(built_tiny, server, ["package"])
+    proj = new_project(tmp_path)
+    (proj.root / "recipes" / "broken.py").write_text(BROKEN_RECIPE)
+    result = proj.doit("nightly", "models=tiny_lm,broken", "targets=cpu", "cluster=local",
+                       env=proj.env(CUDABUILD_REMOTE=server.url, CUDABUILD_JOBS=1))
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = nightly_json(proj)
+    builds = {b["model"]: b for b in report["builds"]}
+    assert builds["tiny_lm"]["status"] == "ok" and builds["tiny_lm"]["stages"]["ran"] == 1
+    assert builds["tiny_lm"]["placement"]["package"]["name"] == "host0"  # cluster=local, CUDABUILD_JOBS=1: one worker
+    assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
+    broken = builds["broken"]
+    assert broken["status"] == "failed" and broken["failed_step"] == "export.forward"
+    assert broken["error"].startswith("on worker host0 (") and "broken on purpose" in broken["error"]
+    assert [w["name"] for w in report["cluster"]["workers"]] == ["host0"] and report["cluster"]["submitted"] == 2
