@@ -209,3 +209,17 @@ def test_verify_drops_a_corrupt_blob_and_the_records_that_named_it(tmp_path_fact
         store.close()
     again = clone.cudabuild("cache", "verify")
     assert again.returncode == 0 and "0 dropped" in again.stdout
+
+
+def test_stats_count_the_folders_stages_keep_beside_the_store(tmp_path):
+    # The compile's shared Triton kernels (cudabuild.backend.kernel_cache) live in <cache>/kernels.
+    from cudabuild.engine import cache_admin
+    from cudabuild.engine.store import Store
+
+    store = Store(tmp_path / "cache")
+    kernels = tmp_path / "cache" / "kernels" / "triton" / "ab12"
+    kernels.mkdir(parents=True)
+    (kernels / "k.cubin").write_bytes(b"x" * 3000)
+    (kernels / "k.json").write_text("{}")
+    lines = cache_admin.stats(store).lines(store.root)
+    assert lines[1] == "beside it: kernels/ 2 files 2.9 KiB"

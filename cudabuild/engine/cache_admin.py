@@ -294,6 +294,8 @@ class Stats:
     builds: int
     kinds: dict  # stage kind -> KindStats, in build order
     unknown_bytes: int = 0  # served results whose record is no longer in the store
+    # Folders stages keep in the cache beside the store (compiled Triton kernels): name -> (files, bytes)
+    folders: dict = field(default_factory=dict)
 
     @property
     def all(self) -> KindStats:
@@ -310,6 +312,8 @@ class Stats:
         out = [f"cache {root}: {plural(blobs[0], 'blob')} {format_bytes(blobs[1])}, {plural(recs[0], 'record')} "
                f"{format_bytes(recs[1])}, {plural(sum(c for c, _ in other), 'other entry', 'other entries')} "
                f"{format_bytes(sum(b for _, b in other))} (memo, docs, build log)"]
+        for name, (files, size) in sorted(self.folders.items()):
+            out.append(f"beside it: {name}/ {plural(files, 'file')} {format_bytes(size)}")
         if not self.builds:
             return out + ["no builds logged yet"]
         out.append(f"last {plural(self.builds, 'build')} (hits: up to date in build/; restores: from the store; misses: ran)")
@@ -348,4 +352,17 @@ def stats(store: Store, last: Optional[int] = None) -> Stats:
                 unknown += 1
             else:
                 k.saved_bytes += sum(sizes.get(sha, 0) for sha in (record.get("outputs") or {}).values())
-    return Stats(store.usage(), len(log), kinds, unknown)
+    return Stats(store.usage(), len(log), kinds, unknown, _folders_beside(store.root))
+
+
+# The store's own folders (diskcache's, its write area, the build locks); any other folder in the
+# cache root is one a stage keeps there, counted by `cache stats`.
+_STORE_FOLDERS = {"store", "incoming", "locks"}
+
+
+def _folders_beside(root: Path) -> dict[str, tuple[int, int]]:
+    found = {}
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir() and p.name not in _STORE_FOLDERS):
+        sizes = [f.stat().st_size for f in folder.rglob("*") if f.is_file()]
+        found[folder.name] = (len(sizes), sum(sizes))
+    return found
