@@ -138,7 +138,16 @@ def test_settings_are_checked_together():
         factory.from_env({"CUDABUILD_REMOTE": "s3:///p"})
     hybrid = factory.from_env({"CUDABUILD_REMOTE": "redis://127.0.0.1:1/0", "CUDABUILD_REMOTE_BLOBS": "s3://b/p/"})
     assert isinstance(hybrid, RedisTier) and hybrid.where == "redis://127.0.0.1:1/0 (blobs in s3://b/p)"
-    assert factory.from_env({"CUDABUILD_REMOTE_BLOBS": "s3://b/p"}) is None  # blobs alone: no tier to hold records
+    with pytest.raises(InvalidRemote, match=r"CUDABUILD_REMOTE_BLOBS=s3://b/p is set without CUDABUILD_REMOTE"):
+        factory.from_env({"CUDABUILD_REMOTE_BLOBS": "s3://b/p"})  # blobs alone: no tier to hold records
+
+
+def test_blobs_without_a_tier_stop_the_build_with_one_line(project):
+    done = project.export(env=project.env(CUDABUILD_REMOTE_BLOBS="s3://cudabuild-cache/x"))
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "CUDABUILD_REMOTE_BLOBS=s3://cudabuild-cache/x is set without CUDABUILD_REMOTE" in lines[0]
+    assert not (project.root / "build").exists()
 
 
 # -- object-store-only mode: records and leases as objects ----------------------------------------------

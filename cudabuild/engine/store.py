@@ -63,7 +63,7 @@ def default_root() -> Path:
 
 def remote_from_env():
     """The shared tier $CUDABUILD_REMOTE names, or None; connects to nothing until first used."""
-    if not os.environ.get("CUDABUILD_REMOTE", "").strip():
+    if not any(os.environ.get(name, "").strip() for name in ("CUDABUILD_REMOTE", "CUDABUILD_REMOTE_BLOBS")):
         return None
     from cudabuild.engine.tiers.factory import from_env  # only builds that name a remote tier import it (and, later, redis)
 

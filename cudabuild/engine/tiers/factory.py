@@ -103,11 +103,19 @@ def _expected(backends) -> tuple[str, str]:
 
 def from_env(environ=os.environ, warn: Callable[[str], None] = warn_stderr) -> Optional[Tier]:
     """The tier $CUDABUILD_REMOTE names, with its blobs in $CUDABUILD_REMOTE_BLOBS when that is
-    set; None when $CUDABUILD_REMOTE is unset. Talks to no server."""
+    set; None when neither is set. Talks to no server.
+
+    $CUDABUILD_REMOTE_BLOBS alone is refused rather than ignored: it moves another tier's blobs,
+    and a build that silently ran local-only would look shared until the next machine rebuilt it.
+    """
     url = environ.get(REMOTE_ENV, "").strip()
+    blobs_url = environ.get(BLOBS_ENV, "").strip()
+    if not url and blobs_url:
+        raise InvalidRemote(f"{BLOBS_ENV}={redact(blobs_url)} is set without {REMOTE_ENV}: it holds the blobs of a "
+                            f"tier whose records live elsewhere; set {REMOTE_ENV}=redis://HOST:PORT/DB beside it, "
+                            f"or {REMOTE_ENV}={redact(blobs_url)} alone for object-store-only")
     if not url:
         return None
-    blobs_url = environ.get(BLOBS_ENV, "").strip()
     problems = []
     backend = BACKENDS.get(urlsplit(url).scheme)
     if backend is None:
