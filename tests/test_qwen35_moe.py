@@ -91,6 +91,22 @@ def test_the_exported_decode_has_the_stock_signature_and_metadata(model, decode)
     assert (metadata["get_max_seq_len"], metadata["get_vocab_size"], metadata["get_n_layers"]) == (64, 256, 4)
 
 
+def test_the_chunked_delta_rule_is_handed_contiguous_tensors(model):
+    # Its FLA kernels read every input as contiguous [B, T, H, *]; ExecuTorch's layer hands it a
+    # strided view of v, which the lowered prefill must copy first (q.hand_the_delta_rule_contiguous_tensors).
+    if not hasattr(torch.ops.triton, "chunk_gated_delta_rule"):
+        pytest.skip("the chunked delta rule needs fla-core (the GPU machine has it)")
+    layer = model.layers[0].attn
+    x = torch.randn(1, 9, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    with torch.no_grad():
+        program = torch.export.export(layer, (x, torch.arange(9)), strict=True)
+    calls = [n for n in program.graph.nodes if str(n.target) == "triton.chunk_gated_delta_rule.default"]
+    assert calls
+    for node in calls:
+        strided = [i for i, arg in enumerate(node.args) if not arg.meta["val"].is_contiguous()]
+        assert not strided, f"inputs {strided} of {node.name} are not contiguous"
+
+
 def test_verify_finds_the_logits_the_sampler_draws_from(model, decode):
     node = sampled_logits.logits_node(decode.module(), temperature_input=2)
     assert tuple(node.meta["val"].shape) == (1, model.config.vocab_size)

@@ -106,6 +106,8 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
     the dequant prefill (on the GPU, as the stock exporter does)."""
     import executorch.backends.cuda.triton.kernels  # noqa: F401  (registers the Triton ops the forward calls)
+
+    hand_the_delta_rule_contiguous_tensors()
     from executorch.examples.models.qwen3_5_moe.export import (
         _materialize_buffers, _replace_dense_with_w4dequant, load_prequantized_model,
     )
@@ -120,6 +122,31 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     if options["dense_prefill"] == "dequant":
         _replace_dense_with_w4dequant(model, group_size=int(options["qlinear_group_size"]), use_hqq=bool(options["hqq"]))
     return model
+
+
+def hand_the_delta_rule_contiguous_tensors() -> None:
+    """Make `torch.ops.triton.chunk_gated_delta_rule` take its tensors contiguous, once per process.
+
+    ExecuTorch's GatedDeltaNet (prefill) hands the op `v` as a channel slice of the transposed conv
+    output: a dense view with strides [T*C, 1, Dv*T, T], not [T*H*Dv, H*Dv, Dv, 1]. The FLA kernels
+    behind the op index every input as contiguous [B, T, H, *], so they read v scrambled. Measured
+    on the H200 (torch 2.11, executorch 1.4.1, tiny): one delta-rule layer's output off by 4.3
+    against its own 2.7, and 0.016 (bf16 rounding) once v is contiguous; the plain-PyTorch form
+    and a token-by-token recurrence agree with the latter. Nothing in the op depends on the torch
+    version, so the pairing is not why. The wrapper stands where the forward looks the op up, so
+    eager runs (verify's reference) and torch.export (the lowered prefill copies v) both get it;
+    a tensor that is contiguous already is passed as it is.
+    """
+    ops = torch.ops.triton
+    op = getattr(ops, "chunk_gated_delta_rule", None)  # registered only where fla-core imports
+    if op is None or getattr(op, "hands_contiguous_tensors", False):
+        return
+
+    def chunk_gated_delta_rule(*tensors):
+        return op(*(t.contiguous() for t in tensors))
+
+    chunk_gated_delta_rule.hands_contiguous_tensors = True
+    ops.chunk_gated_delta_rule = chunk_gated_delta_rule
 
 
 def prepare_decode(model, options: Mapping[str, Any]) -> None:
