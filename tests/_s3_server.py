@@ -83,8 +83,11 @@ def stop_weed(process: subprocess.Popen, polite_s: float = 3.0) -> None:
             process.wait(timeout=10)
 
 
-def start_weed(home: Path, timeout_s: float = 60.0) -> S3Server:
-    """Start `weed server -s3` with its data under `home` and wait until the bucket takes writes."""
+def start_weed(home: Path, timeout_s: float = 60.0, *, iam: bool = True) -> S3Server:
+    """Start `weed server -s3` with its data under `home` and wait until the bucket takes writes.
+
+    iam=False starts it as a new user first would, without an identities file: it then takes any
+    credentials (and checks no signature)."""
     binary = weed_binary()
     if binary is None:
         raise FileNotFoundError("weed")
@@ -100,8 +103,8 @@ def start_weed(home: Path, timeout_s: float = 60.0) -> S3Server:
             f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
             f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",
             "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",
-            "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}", f"-s3.config={home / 's3.json'}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0"]
+            "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0"] + ([f"-s3.config={home / 's3.json'}"] if iam else [])
     log = open(home / "weed.log", "wb")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=home, start_new_session=True)
     server = S3Server(f"http://127.0.0.1:{ports['s3']}", process, home)

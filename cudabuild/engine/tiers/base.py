@@ -75,7 +75,24 @@ class _Unreachable:
 UNREACHABLE = _Unreachable()
 
 
+# A server is given up by this process after this many calls in a row failed, each after the
+# client's own retries: one transient fault (a timeout, a checksum mismatch) costs one miss, not
+# the rest of the build's sharing; an outage costs a few calls, then none.
+FAILURES_TO_GIVE_UP = 3
+
+
 class Degrading:
+    """A server's health as this process sees it: up, failing (a few calls in a row failed), or down.
+
+    A call that failed is reported to `failed` with the kind of fault (timeout, refused, checksum
+    mismatch, auth, ...). A permanent fault (no credentials, no such bucket) takes the server down
+    at once; a transient one counts, and FAILURES_TO_GIVE_UP in a row take it down. Down, it is not
+    asked again by this process (the next build asks again). Each outcome is said in one line:
+    "unreachable"/"given up" when it goes down, or, when the server answers again after a failure
+    (or the process ends first), which call failed and why, served as a miss. A refused write
+    turns this process's writes off.
+    """
+
     noun = "remote cache"  # how warnings name the server: "remote cache <where> ..."
 
     def __init__(self, warn: Callable[[str], None]):
@@ -84,6 +101,9 @@ class Degrading:
         self._down = False
         self._writes_off = False
         self._warned: set[str] = set()
+        self._failures_in_a_row = 0
+        self._unsaid: dict[str, str] = {}  # kind of fault -> its line, said once the outcome is known
+        self.faults: dict[str, int] = {}  # kind of fault -> calls that failed with it (stats, tests)
 
     def warn_once(self, topic: str, message: str) -> None:
         with self._state:
@@ -91,6 +111,41 @@ class Degrading:
                 return
             self._warned.add(topic)
         self.warn(message)
+
+    def succeeded(self) -> None:
+        """A call got an answer: the failures before it were transient, and are said now."""
+        if self._failures_in_a_row == 0:
+            return
+        with self._state:
+            self._failures_in_a_row = 0
+            unsaid, self._unsaid = self._unsaid, {}
+        for kind, line in unsaid.items():
+            self.warn_once(f"failed:{kind}", line)
+
+    def failed(self, what: str, kind: str, error: BaseException, *, permanent: bool = False, hint: str = "") -> None:
+        """A call failed with a fault of `kind` after the client's retries (see the class docstring)."""
+        with self._state:
+            self.faults[kind] = self.faults.get(kind, 0) + 1
+            self._failures_in_a_row += 1
+            gives_up = permanent or self._failures_in_a_row >= FAILURES_TO_GIVE_UP
+            if not gives_up:
+                self._unsaid.setdefault(kind, f"{self.noun} {self.where}: {what} failed ({kind}: {one_line(error)}); "
+                                              "served as a miss, the store answered again after it")
+                _say_at_exit(self)
+                return
+            self._down = True
+            self._unsaid.clear()
+            in_a_row = "" if permanent or self._failures_in_a_row == 1 else f" after {self._failures_in_a_row} failed calls in a row"
+        state = "unreachable" if kind in ("refused", "timeout") else "given up"
+        self.warn_once("down", f"{self.noun} {self.where} {state}{in_a_row} ({what}: {kind}: {one_line(error)}){hint}; "
+                               "continuing with the local cache only (the next build tries it again)")
+
+    def say_unsaid(self) -> None:
+        """Say the failures not said yet (the process ends before the server answered again)."""
+        with self._state:
+            unsaid, self._unsaid = self._unsaid, {}
+        for kind, line in unsaid.items():
+            self.warn_once(f"failed:{kind}", line.replace("the store answered again after it", "the last calls of this process"))
 
     def refused(self, what: str, error: BaseException, *, write: bool) -> None:
         """The server answered no (a Redis out of memory, a 403): a refused write turns this
@@ -101,6 +156,18 @@ class Degrading:
                                      "this build writes nothing more to it")
         else:
             self.warn_once("reads", f"{self.noun} {self.where} refused a read ({what}: {one_line(error)})")
+
+
+def _say_at_exit(server: Degrading) -> None:
+    """Say `server`'s unsaid failures when this process ends: at exit for the main process, and in
+    a doit worker (a multiprocessing child, which leaves by os._exit) through multiprocessing's
+    own exit hooks."""
+    if getattr(server, "_exit_hook_pid", None) == os.getpid():
+        return
+    server._exit_hook_pid = os.getpid()
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(server, server.say_unsaid, exitpriority=10)
 
 
 # -- records -----------------------------------------------------------------------------------------
@@ -134,6 +201,9 @@ def unseal(key: str, raw, secret: Optional[bytes], where: str, warn_once) -> Opt
                                    f"{'unsigned' if sig is None else 'badly signed'}; ignored "
                                    f"(its builder must sign with the same {KEY_ENV})")
             return None
+    if envelope.get("key") != key:  # another key's record (a reply meant for another request): never served
+        warn_once("malformed", f"remote record for {key[:12]} in {where} names another key; ignored")
+        return None
     if not well_formed(record):
         warn_once("malformed", f"remote record for {key[:12]} in {where} is malformed; ignored")
         return None

@@ -60,7 +60,7 @@ def _s3_blobs(url: str, settings: dict, environ: Mapping) -> BlobStore:
     from cudabuild.engine.tiers.s3.blobs import S3Blobs
     from cudabuild.engine.tiers.s3.client import Bucket
 
-    return S3Blobs(Bucket(url, read_only=settings["read_only"], warn=settings["warn"], environ=environ))
+    return S3Blobs(Bucket(url, read_only=settings["read_only"], warn=settings["warn"]))
 
 
 def _s3_tier(url: str, settings: dict, blobs: Optional[BlobStore], environ: Mapping) -> Tier:
@@ -68,7 +68,7 @@ def _s3_tier(url: str, settings: dict, blobs: Optional[BlobStore], environ: Mapp
     from cudabuild.engine.tiers.s3.tier import S3Tier
 
     blobs = blobs or _s3_blobs(url, settings, environ)
-    records = Bucket(url, read_only=settings["read_only"], warn=settings["warn"], environ=environ)
+    records = Bucket(url, read_only=settings["read_only"], warn=settings["warn"])
     if blobs.bucket.url == records.url:
         records = blobs.bucket  # one client, one warning, when both live in the same place
     return S3Tier(records, blobs=blobs, **settings)

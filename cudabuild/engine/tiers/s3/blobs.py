@@ -10,9 +10,9 @@ this module owns the blob objects and nothing else (no records, no leases, no lo
 - Uploads hash what they send; a source whose bytes turn out not to be `sha` (changed under us)
   aborts the upload before it completes, so no object with the wrong bytes is ever published. The
   object's size is checked afterwards.
-- Downloads hash what arrives; only bytes that match `sha` are reported as a hit. A corrupt or
-  truncated object is reported once, deleted (by a builder that may write), and not offered again
-  in this process: the caller rebuilds it.
+- Downloads hash what arrives; only bytes that match `sha` are reported as a hit. An object whose
+  bytes are wrong twice the same way (corrupt, truncated) is reported once, deleted (by a builder
+  that may write), and not offered again in this process: the caller rebuilds it.
 - `PREFIX/used/<sha256>`: an empty object rewritten whenever a read-write builder uploads or
   downloads the blob; its LastModified is the blob's last use, which `cache gc --remote` orders by
   (S3 keeps no access times). Read-only builders leave no trace.
@@ -184,7 +184,10 @@ class S3Blobs:
         return True
 
     def get_blob_to_file(self, sha: str, dest: os.PathLike | str) -> bool:
-        """Download a blob into `dest`, streamed; True only when the bytes that arrived hash to `sha`."""
+        """Download a blob into `dest`, streamed; True only when the bytes that arrived hash to `sha`.
+
+        Bytes that do not are read once more: the object is called corrupt (and deleted) only when
+        both reads agree on the same wrong bytes, so a reply damaged on the way deletes nothing."""
         if sha in self._bad or not _SHA.match(sha):
             return False
         key = self.blob_key(sha)
@@ -195,27 +198,34 @@ class S3Blobs:
                 c.download_fileobj(self.bucket.bucket, key, sink, Config=transfer_config())
             return sink
 
-        sink = self.bucket.call(f"download of blob {sha[:12]}", download, expect=MISSING)
-        if sink is UNREACHABLE:
-            return False
-        if isinstance(sink, Refused):  # deleted (gc, another builder) since it was looked up
-            self._known.discard(sha)
-            return False
-        if sink.hash.hexdigest() != sha:
-            with self._lock:
-                self._bad.add(sha)
+        digests = []
+        for _ in range(2):
+            sink = self.bucket.call(f"download of blob {sha[:12]}", download, expect=MISSING)
+            if sink is UNREACHABLE:
+                return False
+            if isinstance(sink, Refused):  # deleted (gc, another builder) since it was looked up
                 self._known.discard(sha)
-            writable = self.writable
-            self.bucket.warn(f"remote blob {sha[:12]} failed its sha256 check on arrival ({sink.size} bytes); "
-                             f"{'deleted from' if writable else 'ignored in'} {self.where}, it will be rebuilt")
-            if writable:
-                self.bucket.delete(key, f"delete of blob {sha[:12]}")
+                return False
+            if sink.hash.hexdigest() == sha:
+                with self._lock:
+                    self.stats["blobs_in"] += 1
+                    self.stats["bytes_in"] += sink.size
+                self._mark_used(sha)
+                return True
+            digests.append(sink.hash.hexdigest())
+        if digests[0] != digests[1]:  # two different wrong answers: the way, not the object
+            self.bucket.failed(f"download of blob {sha[:12]}", "checksum mismatch",
+                               ValueError(f"two reads of {sha[:12]} arrived as different wrong bytes"))
             return False
         with self._lock:
-            self.stats["blobs_in"] += 1
-            self.stats["bytes_in"] += sink.size
-        self._mark_used(sha)
-        return True
+            self._bad.add(sha)
+            self._known.discard(sha)
+        writable = self.writable
+        self.bucket.warn(f"remote blob {sha[:12]} failed its sha256 check on arrival, twice ({sink.size} bytes); "
+                         f"{'deleted from' if writable else 'ignored in'} {self.where}, it will be rebuilt")
+        if writable:
+            self.bucket.delete(key, f"delete of blob {sha[:12]}")
+        return False
 
     def _mark_used(self, sha: str) -> None:
         if self.writable:

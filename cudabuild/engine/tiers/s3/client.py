@@ -9,20 +9,35 @@ AWS_ENDPOINT_URL_S3), AWS_REGION, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS
 boto3 is imported on the first call that talks to the server, so a build that needs no remote
 object (a no-op) neither imports it nor makes a network call.
 
-This module owns the client and the rule for failures: a store that cannot be reached (refused,
-timed out, no credentials, no such bucket) costs one warning, then no more calls in this process; a
-write the store refuses (access denied) stops writes, also with one warning. It knows no key layout:
-blobs.py (blobs) and tier.py (records, leases) do.
+This module owns the client and the rule for failures (base.Degrading):
+- One client per process. doit's workers are forked from the process that read the recipes
+  through the tier, and a boto3 client's pooled keep-alive sockets must not cross a fork: two
+  processes writing requests into one socket and reading each other's replies is what made
+  uploads fail with BadDigest (the server hashed bytes from two bodies), lookups fail their CRC
+  (another process had read the body), and reads time out (issue 25).
+- Retries are the SDK's own (its `standard` mode, 3 attempts, unless the user's AWS_RETRY_MODE /
+  AWS_MAX_ATTEMPTS / ~/.aws/config say otherwise): timeouts, resets, 5xx and throttling. What the
+  SDK does not retry, because it happens after the reply began (a body cut short, a checksum
+  mismatch either way), is retried here, OP_ATTEMPTS times in all: every call here is idempotent.
+- Checksums are the SDK's defaults, or the user's request_checksum_calculation /
+  response_checksum_validation: cudabuild sets none. What it serves is checked on its own terms
+  anyway (a blob's sha256, a record's key and signature).
+- A call that still fails is a miss, with its fault's kind named (timeout, refused, dropped,
+  checksum mismatch, throttled, server error, auth, no bucket); FAILURES_TO_GIVE_UP in a row, or
+  one permanent fault (auth, no bucket), give the store up for this process. A write the store
+  refuses (access denied) stops writes, also with one warning.
+It knows no key layout: blobs.py (blobs) and tier.py (records, leases) do.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
 from cudabuild.engine.tiers.base import UNREACHABLE, Degrading
-from cudabuild.errors import InvalidRemote, one_line
+from cudabuild.errors import InvalidRemote
 
 SCHEME = "s3"
 CONNECT_TIMEOUT = 2.0
@@ -32,6 +47,45 @@ MISSING = ("404", "NoSuchKey", "NotFound")
 PRECONDITION = ("412", "PreconditionFailed")
 # What a server that does not implement a conditional header may answer with.
 NOT_IMPLEMENTED = ("501", "NotImplemented", "InvalidArgument", "InvalidRequest")
+
+OP_ATTEMPTS = 3  # tries of one call for the faults the SDK does not retry (see the module docstring)
+RETRY_PAUSE_S = 0.2  # times the attempt number, between them
+
+CHECKSUM_CODES = ("BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum")
+THROTTLE_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests")
+AUTH_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "AuthorizationHeaderMalformed")
+
+
+def fault_of(error: BaseException, code: str = "", status: int = 0) -> tuple[str, bool, bool]:
+    """(kind, permanent, retry here) of a failed call: what warnings name, whether the store is
+    given up at once, and whether this module tries the call again (the SDK retried the rest)."""
+    import botocore.exceptions as bce
+
+    if isinstance(error, bce.ClientError):
+        if code in CHECKSUM_CODES:
+            return "checksum mismatch", False, True
+        if code in AUTH_CODES or status == 401:
+            return "auth", True, False
+        if code == "NoSuchBucket":
+            return "no such bucket", True, False
+        if code in THROTTLE_CODES or status == 429:
+            return "throttled", False, False
+        if status >= 500:
+            return "server error", False, False
+        return f"error reply {code or status}", False, True
+    if isinstance(error, bce.FlexibleChecksumError):
+        return "checksum mismatch", False, True
+    if isinstance(error, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return "auth", True, False
+    if isinstance(error, (bce.ConnectTimeoutError, bce.ReadTimeoutError, TimeoutError)):
+        return "timeout", False, False
+    if isinstance(error, (bce.EndpointConnectionError, ConnectionRefusedError)):
+        return "refused", False, False
+    if isinstance(error, (bce.ResponseStreamingError, bce.IncompleteReadError)):
+        return "dropped", False, True  # the reply was cut short after it began
+    if isinstance(error, (bce.ConnectionClosedError, ConnectionError, bce.ConnectionError)):
+        return "dropped", False, False
+    return type(error).__name__, False, False
 
 
 
@@ -60,14 +114,14 @@ class Bucket(Degrading):
 
     noun = "remote store"
 
-    def __init__(self, url: str, *, read_only: bool = False, warn: Callable[[str], None], environ=os.environ):
+    def __init__(self, url: str, *, read_only: bool = False, warn: Callable[[str], None]):
         self.bucket, self.prefix = parse_url(url, "S3 URL")
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.where = self.url
         Degrading.__init__(self, warn)
         self.read_only = read_only
-        self._environ = environ
         self._client = None
+        self._client_pid = 0
 
     @property
     def writable(self) -> bool:
@@ -81,24 +135,22 @@ class Bucket(Degrading):
         return "/".join((self.prefix, *names) if self.prefix else names)
 
     def client(self):
+        """This process's boto3 client (a forked child makes its own: see the module docstring)."""
         with self._state:
-            if self._client is None:
+            if self._client is None or self._client_pid != os.getpid():
                 import boto3
                 from botocore.config import Config
 
-                # Short connect timeout, few retries: a dead store costs a build seconds, once. A user
-                # who sets the SDK's own retry variables gets those instead.
-                retries = None
-                if not (self._environ.get("AWS_MAX_ATTEMPTS") or self._environ.get("AWS_RETRY_MODE")):
-                    retries = {"mode": "standard", "max_attempts": 2}
-                config = Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT, retries=retries,
-                                max_pool_connections=16)
+                # Short connect timeout: a dead store costs a build seconds. Retries and checksums
+                # are left to the SDK's defaults and the user's own AWS settings.
+                config = Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT, max_pool_connections=16)
                 self._client = boto3.session.Session().client("s3", config=config)
+                self._client_pid = os.getpid()
             return self._client
 
     def call(self, what: str, fn, *, write: bool = False, expect: Iterable[str] = ()):
         """fn(client), or Refused for an error reply named in `expect`, or UNREACHABLE when the store
-        is down, refuses, or (for a write) is not writable."""
+        is down, the call failed (see the module docstring), or (for a write) it is not writable."""
         if self._down or (write and not self.writable):
             return UNREACHABLE
         try:
@@ -108,29 +160,33 @@ class Bucket(Degrading):
             self.warn_once("down", f"remote store {self.where} needs boto3 (pip install boto3); "
                                    "continuing with the local cache only")
             return UNREACHABLE
-        try:
-            return fn(self.client())
-        except bce.ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            if code in expect or str(status) in expect:
-                return Refused(code or str(status), status)
-            return self._failed(what, e, code, status, write)
-        except (bce.BotoCoreError, OSError) as e:  # no connection, timeouts, no credentials
-            self._go_down(what, e)
-            return UNREACHABLE
-
-    def _failed(self, what: str, error, code: str, status: int, write: bool):
-        if code in ("AccessDenied", "403") or status == 403:
-            self.refused(what, error, write=write)
-            return UNREACHABLE
-        self._go_down(what, error, hint="; create the bucket first" if code == "NoSuchBucket" else "")
+        for attempt in range(1, OP_ATTEMPTS + 1):
+            try:
+                found = fn(self.client())
+            except bce.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if code in expect or str(status) in expect:
+                    self.succeeded()
+                    return Refused(code or str(status), status)
+                if code in ("AccessDenied", "403") or status == 403:
+                    self.succeeded()  # it answered
+                    self.refused(what, e, write=write)
+                    return UNREACHABLE
+                kind, permanent, again = fault_of(e, code, status)
+                error = e
+            except (bce.BotoCoreError, OSError) as e:  # no connection, timeouts, no credentials, bodies cut short
+                kind, permanent, again = fault_of(e)
+                error = e
+            else:
+                self.succeeded()
+                return found
+            if not (again and attempt < OP_ATTEMPTS):
+                break
+            time.sleep(RETRY_PAUSE_S * attempt)
+        self.failed(what, kind, error, permanent=permanent,
+                    hint="; create the bucket first" if kind == "no such bucket" else "")
         return UNREACHABLE
-
-    def _go_down(self, what: str, error, hint: str = "") -> None:
-        self._down = True
-        self.warn_once("down", f"remote store {self.where} unreachable ({what}: {one_line(error)}){hint}; "
-                               "continuing with the local cache only")
 
     # -- small objects ------------------------------------------------------------------------------
 

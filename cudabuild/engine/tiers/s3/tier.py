@@ -107,23 +107,25 @@ class S3Tier(Tier):
         return json.dumps({"token": token, "seconds": self.lease_seconds, "nonce": uuid.uuid4().hex}).encode()
 
     def _lease_state(self, key: str):
-        """("free" | "held" | "lapsed", etag of the lease object or None), or UNREACHABLE."""
+        """("free" | "held" | "lapsed", etag of the lease object or None, its holder's token or None),
+        or UNREACHABLE."""
         found = self.records.get_small(self._lease_key(key), "lease lookup")
         if found is UNREACHABLE:
             return UNREACHABLE
         if found is None:
-            return "free", None
+            return "free", None, None
         body, etag, modified, date = found
         try:
-            seconds = float(json.loads(body).get("seconds", self.lease_seconds))
+            lease = json.loads(body)
+            seconds, token = float(lease.get("seconds", self.lease_seconds)), lease.get("token")
         except (ValueError, TypeError, AttributeError):
-            seconds = self.lease_seconds  # unreadable: it lapses like any other
+            seconds, token = self.lease_seconds, None  # unreadable: it lapses like any other
         try:
             age = (parsedate_to_datetime(date) - modified).total_seconds()
         except (TypeError, ValueError):
             age = 0.0
         # Both times are whole seconds: one more second, so a lease renewed on time never looks lapsed.
-        return ("lapsed" if age > seconds + 1 else "held"), etag
+        return ("lapsed" if age > seconds + 1 else "held"), etag, token
 
     def _put_lease(self, key: str, token: str, condition: dict):
         """The new lease object's ETag, Refused when the condition failed, or UNREACHABLE."""
@@ -173,9 +175,10 @@ class S3Tier(Tier):
         state = self._lease_state(key)
         if state is UNREACHABLE:
             return NoLease()
-        status, stale = state
+        status, stale, holder = state
         if status == "held":
-            return None
+            # Ours after all when a retried write had landed the first time (its reply was lost).
+            return Lease(self, key, token, stale) if holder == token else None
         # Gone since (released: create it again), or lapsed (take it over from the dead holder).
         condition = {"IfNoneMatch": "*"} if status == "free" else {"IfMatch": stale}
         etag = self._put_lease(key, token, condition)
