@@ -4,6 +4,7 @@
     proxy.drop_next(2)        # the next 2 connections are accepted, then closed unanswered
     proxy.cut_next(2)         # the next 2 replies end halfway through their body
     proxy.corrupt_next(1)     # the next reply has one byte of its body flipped
+    proxy.garble_next(1)      # the next reply is replaced by a bare "400 Bad Request" page
     proxy.latency = 0.5       # every reply waits this long before its first byte
     proxy.down = True         # every connection is closed unanswered, until set back
     proxy.close()
@@ -27,8 +28,8 @@ class FaultyProxy:
         self.target = (host, port)
         self.latency = 0.0
         self.down = False
-        self.faults_done = {"dropped": 0, "cut": 0, "corrupted": 0}
-        self._to_drop = self._to_cut = self._to_corrupt = 0
+        self.faults_done = {"dropped": 0, "cut": 0, "corrupted": 0, "garbled": 0}
+        self._to_drop = self._to_cut = self._to_corrupt = self._to_garble = 0
         self._lock = threading.Lock()
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -50,6 +51,10 @@ class FaultyProxy:
     def corrupt_next(self, n: int) -> None:
         with self._lock:
             self._to_corrupt += n
+
+    def garble_next(self, n: int) -> None:
+        with self._lock:
+            self._to_garble += n
 
     def close(self) -> None:
         self._closed = True
@@ -113,6 +118,11 @@ class FaultyProxy:
             if self.latency:
                 threading.Event().wait(self.latency)
             if self.down:
+                return
+            if self._take("_to_garble"):  # what Go's HTTP server answers to a request it cannot parse
+                self.faults_done["garbled"] += 1
+                client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                               b"Connection: close\r\nContent-Length: 15\r\n\r\n400 Bad Request")
                 return
             if length and self._take("_to_cut"):
                 self.faults_done["cut"] += 1

@@ -57,10 +57,12 @@ def test_short_faults_are_retried_and_nothing_is_said(s3_env, proxy, tmp_path):
         fault(2)
         found = bucket(url, warnings).get_small(b.key("rec/k"), "record lookup")
         assert found is not base.UNREACHABLE and found[0] == body, fault.__name__
+    proxy.garble_next(2)  # a reply that is not S3's (a 400 page, as to a garbled request)
+    put_record_object(bucket(url, warnings), "rec/k2", body)
     proxy.cut_next(1)
     assert S3Blobs(bucket(url, warnings)).get_blob_to_file(sha_of(blob), tmp_path / "blob")
     assert (tmp_path / "blob").read_bytes() == blob
-    assert proxy.faults_done == {"dropped": 4, "cut": 3, "corrupted": 2}
+    assert proxy.faults_done == {"dropped": 4, "cut": 3, "corrupted": 2, "garbled": 2}
     assert warnings == []
 
 

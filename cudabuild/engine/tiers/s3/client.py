@@ -83,6 +83,8 @@ def fault_of(error: BaseException, code: str = "", status: int = 0) -> tuple[str
         return "refused", False, False
     if isinstance(error, (bce.ResponseStreamingError, bce.IncompleteReadError)):
         return "dropped", False, True  # the reply was cut short after it began
+    if type(error).__name__ == "ResponseParserError":
+        return "bad reply", False, True  # not S3's XML (a proxy's page, a garbled stream)
     if isinstance(error, (bce.ConnectionClosedError, ConnectionError, bce.ConnectionError)):
         return "dropped", False, False
     return type(error).__name__, False, False
@@ -155,6 +157,7 @@ class Bucket(Degrading):
             return UNREACHABLE
         try:
             import botocore.exceptions as bce
+            from botocore.parsers import ResponseParserError  # a reply that is not S3's XML
         except ImportError:
             self._down = True
             self.warn_once("down", f"remote store {self.where} needs boto3 (pip install boto3); "
@@ -175,7 +178,7 @@ class Bucket(Degrading):
                     return UNREACHABLE
                 kind, permanent, again = fault_of(e, code, status)
                 error = e
-            except (bce.BotoCoreError, OSError) as e:  # no connection, timeouts, no credentials, bodies cut short
+            except (bce.BotoCoreError, OSError, ResponseParserError) as e:  # no connection, timeouts, bodies cut short, ...
                 kind, permanent, again = fault_of(e)
                 error = e
             else:
