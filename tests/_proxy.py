@@ -41,24 +41,24 @@ class FaultyProxy:
         threading.Thread(target=self._accept, daemon=True).start()
 
     def drop_next(self, n: int) -> None:
-        with self._lock:
-            self._to_drop += n
+        self._add("_to_drop", n)
 
     def cut_next(self, n: int) -> None:
-        with self._lock:
-            self._to_cut += n
+        self._add("_to_cut", n)
 
     def corrupt_next(self, n: int) -> None:
-        with self._lock:
-            self._to_corrupt += n
+        self._add("_to_corrupt", n)
 
     def garble_next(self, n: int) -> None:
-        with self._lock:
-            self._to_garble += n
+        self._add("_to_garble", n)
 
     def close(self) -> None:
         self._closed = True
         self._listener.close()
+
+    def _add(self, name: str, n: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
 
     def _take(self, name: str) -> bool:
         with self._lock:
