@@ -101,13 +101,7 @@ class FaultyProxy:
     def _replies(self, server: socket.socket, client: socket.socket, methods: list) -> None:
         """Forward the server's replies one at a time, each possibly delayed, cut or corrupted."""
         reader = server.makefile("rb")
-        while True:
-            head = b""
-            while not head.endswith(b"\r\n\r\n"):
-                line = reader.readline()
-                if not line:
-                    return
-                head += line
+        while (head := _read_head(reader)) is not None:
             if head.startswith(b"HTTP/1.1 100"):
                 client.sendall(head)
                 continue
@@ -134,6 +128,17 @@ class FaultyProxy:
             client.sendall(head + body)
 
 
+def _read_head(reader) -> bytes | None:
+    """A message's start line and headers, through the blank line; None at the end of the stream."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        line = reader.readline()
+        if not line:
+            return None
+        head += line
+    return head
+
+
 def _content_length(head: bytes) -> int:
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
@@ -145,13 +150,7 @@ def _requests(client: socket.socket, server: socket.socket, methods: list) -> No
     """Forward the client's requests, noting each one's method before it goes on."""
     reader = client.makefile("rb")
     try:
-        while True:
-            head = b""
-            while not head.endswith(b"\r\n\r\n"):
-                line = reader.readline()
-                if not line:
-                    return
-                head += line
+        while (head := _read_head(reader)) is not None:
             methods.append(head.split(None, 1)[0])
             server.sendall(head)
             left = _content_length(head)
