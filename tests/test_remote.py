@@ -159,12 +159,16 @@ def test_upload_cut_short_publishes_no_blob(server, tmp_path):
     warnings = []
     data = os.urandom(20_000)
     sha = hashlib.sha256(data).hexdigest()
-    assert not make_tier(server, warnings, chunk_bytes=1000).put_blob(sha, DiesMidway(data))
+    writer = make_tier(server, warnings, chunk_bytes=1000)
+    assert not writer.put_blob(sha, DiesMidway(data))
     r = server.client()
     assert r.exists(f"cudabuild:chunk:{sha}:0") and not r.exists(f"cudabuild:blob:{sha}")
     reader = make_tier(server, [])
     assert not reader.has_blobs([sha]) and not reader.get_blob_to_file(sha, tmp_path / "out")
-    assert len(warnings) == 1 and "unreachable" in warnings[0]
+    # One failed call is a miss, not an outage: the tier stays, and says the failure once its
+    # outcome is known (here: the next call that gets an answer).
+    assert not warnings and writer.writable and writer.get_record("nothing") is None
+    assert len(warnings) == 1 and "upload of blob" in warnings[0] and "dropped" in warnings[0], warnings
 
 
 def test_corrupt_or_evicted_chunk_is_never_served(server, tmp_path):

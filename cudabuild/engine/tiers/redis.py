@@ -4,8 +4,9 @@
 
 This module owns the Redis side: its key layout, chunked blob transfer checked against the sha256
 on arrival, records in their signed envelopes (base.seal), per-key build leases with a heartbeat,
-and degrading to the local cache alone when Redis is unreachable (one warning per build, then no
-more network calls). With CUDABUILD_REMOTE_BLOBS set, blobs go to that store (s3/blobs.py) and
+and degrading to the local cache alone when Redis fails (base.Degrading: a failed call is a miss,
+3 in a row or an auth failure give Redis up for the process with one warning, then no more network
+calls). With CUDABUILD_REMOTE_BLOBS set, blobs go to that store (s3/blobs.py) and
 Redis keeps the records and leases. It never touches the local store or build/: store.py decides
 what to copy where, runner.py when to lease. `redis` is imported on the first call that talks to
 the server, not before.
@@ -27,7 +28,6 @@ import time
 from typing import BinaryIO, Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
-from cudabuild.errors import one_line
 from cudabuild.engine.tiers.base import (MODE_ENV, POLL_SECONDS, REMOTE_ENV, UNREACHABLE, BlobStore, Degrading, Lease,
                                          NoLease, Tier, lease_token, mib, redact, seal, warn_stderr)
 
@@ -61,6 +61,24 @@ def inductor_environment(environ=os.environ) -> dict[str, str]:
         "TORCHINDUCTOR_REDIS_HOST": parts.hostname or "localhost",
         "TORCHINDUCTOR_REDIS_PORT": str(parts.port or 6379),
     }
+
+
+def fault_of(error: BaseException) -> tuple[str, bool]:
+    """(kind, permanent) of a failed call, after redis-py's own retry: what the warning names, and
+    whether the server is given up at once (Degrading counts the rest)."""
+    import redis
+
+    if isinstance(error, redis.exceptions.AuthenticationError):
+        return "auth", True
+    if isinstance(error, (redis.exceptions.TimeoutError, TimeoutError)):
+        return "timeout", False
+    if isinstance(error, ConnectionRefusedError) or "refused" in str(error).lower():
+        return "refused", False
+    if isinstance(error, (redis.exceptions.ConnectionError, ConnectionError)):
+        return "dropped", False
+    if isinstance(error, redis.exceptions.RedisError):
+        return "bad reply", False
+    return type(error).__name__, False
 
 
 class RedisTier(Degrading, Tier):
@@ -106,15 +124,16 @@ class RedisTier(Degrading, Tier):
         import redis
 
         try:
-            return fn(self._redis())
+            result = fn(self._redis())
         except redis.exceptions.ResponseError as e:  # e.g. OOM under maxmemory-policy noeviction
             self.refused(what, e, write=write)
             return UNREACHABLE
         except (redis.exceptions.RedisError, OSError) as e:
-            self._down = True
-            self.warn_once("down", f"remote cache {self.where} unreachable ({what}: {one_line(e)}); "
-                                    "continuing with the local cache only")
+            kind, permanent = fault_of(e)
+            self.failed(what, kind, e, permanent=permanent)
             return UNREACHABLE
+        self.succeeded()
+        return result
 
     # -- keys -------------------------------------------------------------------------------------
 
