@@ -223,3 +223,37 @@ def test_stats_count_the_folders_stages_keep_beside_the_store(tmp_path):
     (kernels / "k.json").write_text("{}")
     lines = cache_admin.stats(store).lines(store.root)
     assert lines[1] == "beside it: kernels/ 2 files 2.9 KiB"
+
+
+def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_limit(tmp_path):
+    """The kernel cache (kernels/triton/<hash>/, Triton's layout) is gc'd entry by entry: an entry
+    not used within the age goes, and under a size limit kernels go before any blob; `cache stats`
+    counts what is left."""
+    store = Store(tmp_path / "cache")
+    try:
+        blob = store.put_bytes(os.urandom(MiB))
+        store.put_record("k", {"stage": "export.x", "digest": "d", "outputs": {"p": blob}})
+        kernels = tmp_path / "cache" / "kernels" / "triton"
+        ages = {"stale": 10 * 86400, "older": 3600, "newer": 60}
+        for name, age in ages.items():
+            (kernels / name).mkdir(parents=True)
+            for part in ("k.cubin", "__grp__k.json"):
+                (kernels / name / part).write_bytes(os.urandom(40_000))
+                os.utime(kernels / name / part, (time.time() - age, time.time() - age))
+        project = tmp_path / "project"
+
+        would = cache_admin.gc(store, project, max_age_days=1, dry_run=True)
+        assert sorted(p.name for p in kernels.iterdir()) == ["newer", "older", "stale"]
+        assert cache_admin.gc(store, project, max_age_days=1) == dataclasses.replace(would, dry_run=False)
+        assert sorted(p.name for p in kernels.iterdir()) == ["newer", "older"]
+        line = f"would evict 1 entry ({cache_admin.format_bytes(80_000)}) of kernels/ beside the store, least recently used first"
+        assert line in would.lines(), would.lines()
+
+        # A limit that the store and one kernel fit under: the older kernel goes, no blob does.
+        limit = store.size() + 80_000 + 1000
+        report = cache_admin.gc(store, project, max_bytes=limit)
+        assert report.evicted_beside == {"kernels": (1, 80_000)} and report.evicted_blobs == 0
+        assert [p.name for p in kernels.iterdir()] == ["newer"] and store.has_blob(blob)
+        assert cache_admin.stats(store).folders == {"kernels": (2, 80_000)}
+    finally:
+        store.close()

@@ -93,18 +93,34 @@ def test_the_exported_decode_has_the_stock_signature_and_metadata(model, decode)
 
 def test_the_chunked_delta_rule_is_handed_contiguous_tensors(model):
     # Its FLA kernels read every input as contiguous [B, T, H, *]; ExecuTorch's layer hands it a
-    # strided view of v, which the lowered prefill must copy first (q.hand_the_delta_rule_contiguous_tensors).
-    if not hasattr(torch.ops.triton, "chunk_gated_delta_rule"):
-        pytest.skip("the chunked delta rule needs fla-core (the GPU machine has it)")
+    # strided view of v (q.hand_the_delta_rule_contiguous_tensors). Eagerly, a strided v must give
+    # what its contiguous copy gives; exported strictly, the op must be fed contiguous tensors.
+    if not hasattr(torch.ops.triton, "chunk_gated_delta_rule") or not torch.cuda.is_available():
+        pytest.skip("the chunked delta rule needs fla-core and a GPU (the GPU machine has both)")
+    B, T, H, K = 1, 9, 2, 64
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).cuda()
+
+    q, k = (torch.nn.functional.normalize(rand(B, T, H, K), dim=-1).bfloat16() for _ in range(2))
+    v = rand(B, H * K, T).bfloat16().transpose(1, 2).reshape(B, T, H, K)  # the layer's kind of view
+    assert not v.is_contiguous()
+    g, beta, state = -rand(B, T, H).abs(), rand(B, T, H).sigmoid().bfloat16(), torch.zeros(B, H, K, K).cuda()
+    strided = torch.ops.triton.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    dense = torch.ops.triton.chunk_gated_delta_rule(q, k, v.contiguous(), g, beta, state)
+    for got, want in zip(strided, dense):  # a scrambled read is off by about the values' own size
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
+
     layer = model.layers[0].attn
-    x = torch.randn(1, 9, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    x = torch.randn(1, T, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
     with torch.no_grad():
-        program = torch.export.export(layer, (x, torch.arange(9)), strict=True)
+        program = torch.export.export(layer, (x, torch.arange(T)), strict=True)
     calls = [n for n in program.graph.nodes if str(n.target) == "triton.chunk_gated_delta_rule.default"]
     assert calls
     for node in calls:
-        strided = [i for i, arg in enumerate(node.args) if not arg.meta["val"].is_contiguous()]
-        assert not strided, f"inputs {strided} of {node.name} are not contiguous"
+        strided_inputs = [i for i, arg in enumerate(node.args) if not arg.meta["val"].is_contiguous()]
+        assert not strided_inputs, f"inputs {strided_inputs} of {node.name} are not contiguous"
 
 
 def test_verify_finds_the_logits_the_sampler_draws_from(model, decode):

@@ -42,10 +42,28 @@ def test_a_builds_trace_has_every_stage_and_accounts_for_its_wall_time(built_tin
     accounted = covered([(e["ts"], e["ts"] + e["dur"]) for e in top])
     assert abs(accounted - build["dur"]) <= 0.10 * build["dur"], (accounted, build["dur"])
     compile_run = runs["compile.decode"]
-    inside = {e["name"] for e in events if e["cat"] == "phase"
+    inside = {e["name"] for e in events if e["cat"] in ("phase", "inductor")
               and compile_run["ts"] <= e["ts"] <= compile_run["ts"] + compile_run["dur"]}
     assert {"run", "load", "C++ compile", "store writes"} <= inside
     assert not (built_tiny.build_dir / ".trace").exists() or not list((built_tiny.build_dir / ".trace").glob("*.jsonl"))
+
+
+def test_a_compiles_time_is_named_by_inductors_phases(built_tiny):
+    """Inductor's own timers (lowering, scheduling, codegen, the C++ compile, ...) become spans of
+    the compile stage: together with the stage's own (load, store writes) they name at least 90%
+    of its time, so trace.json says where a compile's time went."""
+    from cudabuild.backend.inductor_phases import named_share
+
+    events = spans(built_tiny)
+    for method in ("decode", "prefill"):
+        stage, = (e for e in events if e["name"] == f"compile.{method}" and e["args"].get("step") == "execute")
+        inside = {e["name"] for e in events if e.get("cat") == "inductor" and e["pid"] == stage["pid"]
+                  and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"]}
+        assert {"lowering", "scheduling", "kernel codegen", "C++ compile"} <= inside, inside
+        assert named_share(events, stage) >= 0.9, (method, named_share(events, stage))
+        aoti, = (e for e in events if e["name"] == "AOTInductor" and e["pid"] == stage["pid"]
+                 and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"])
+        assert aoti["args"]["triton_kernels_compiled"] == 0  # on the CPU inductor writes C++ kernels
 
 
 def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tmp_path):

@@ -1,10 +1,17 @@
-"""Timeline spans for the parts of an AOTInductor compile that cost time: autotuning (each template
-choice inductor selects by benchmark) and the C++ compile and link of the wrapper and kernels.
+"""Timeline spans for where an AOTInductor compile's time goes, from inductor's own timers.
 
-A scoped patch of two inductor entry points, `AlgorithmSelectorCache.__call__` and
-`AotCodeCompiler.compile`, each wrapped in a `cudabuild.engine.console.trace.phase`; undone when the block ends,
-also on error. Where this torch lacks one of them, that phase is just not shown: the timeline is a
-diagnostic and must never fail a compile. Backend half.
+Inductor times its phases itself: every `dynamo_timed` block (lowering, scheduling, kernel and
+wrapper codegen, Triton's async compile and the wait for it, benchmarking, the C++ compile of the
+wrapper and kernels) is reported to torch's `ChromiumEventLogger` with its start and end. Within
+`traced()`, each such event of at least MIN_SECONDS becomes a span of the running compile stage,
+under a readable name (`PHASES`; an unlisted event keeps inductor's name), so the spans follow
+torch's own instrumentation rather than a list of patched functions. The one phase inductor does
+not time is wrapped here: template autotuning (`AlgorithmSelectorCache.__call__`, each choice
+selected by benchmark).
+
+The compile's Triton kernels are counted too (`kernel_counts`, `since`): compiled, and found in Triton's
+cache. Where this torch lacks one of these entry points, that part is just not shown: the timeline
+is a diagnostic and must never fail a compile. Backend half.
 """
 
 from __future__ import annotations
@@ -13,44 +20,137 @@ import contextlib
 import functools
 from typing import Iterator
 
-from cudabuild.engine.console.trace import phase
+from cudabuild.engine.console.trace import phase, recording
+
+MIN_SECONDS = 0.005
+
+# Inductor's event names -> the span's name in trace.json.
+PHASES = {
+    "_recursive_pre_grad_passes": "pre-grad passes",
+    "_recursive_joint_graph_passes": "joint-graph passes",
+    "_recursive_post_grad_passes": "post-grad passes",
+    "create_aot_dispatcher_function": "AOT dispatch trace",
+    "GraphLowering.run": "lowering",
+    "Scheduler.__init__": "scheduling",
+    "Scheduler.codegen": "kernel codegen",
+    "PythonWrapperCodegen.generate": "wrapper codegen",
+    "CppWrapperCpu.generate": "wrapper codegen",
+    "CppWrapperGpu.generate": "wrapper codegen",
+    "async_compile.precompile": "Triton precompile",
+    "async_compile.wait": "Triton compile wait",
+    "benchmark_fused_nodes": "benchmarking",
+    "benchmark_codegened_module": "benchmarking",
+    "CachingAutotuner.benchmark_all_configs": "benchmarking",
+    "CachingAutotuner.coordinate_descent_tuning": "coordinate descent tuning",
+    "AotCodeCompiler.compile": "C++ compile",
+    "compile_file": "C++ compiler run",
+    "aoti_compile_fatbin": "fatbin compile",
+    "aoti_serialize_constants": "weights serialisation",
+    "aoti_precompile_header": "precompiled header",
+}
 
 
-def _entry_points() -> list[tuple[object, str, str]]:
-    """(owner, attribute, span name) of each wrapped function this torch has."""
+def _patched_functions() -> list[tuple[object, str, str]]:
+    """(owner, attribute, span name) of the functions timed here because inductor does not."""
     found = []
     with contextlib.suppress(ImportError):
         from torch._inductor.select_algorithm import AlgorithmSelectorCache
 
         found.append((AlgorithmSelectorCache, "__call__", "autotune"))
-    with contextlib.suppress(ImportError):
-        from torch._inductor.codecache import AotCodeCompiler
-
-        found.append((AotCodeCompiler, "compile", "C++ compile"))
     return [(owner, name, span) for owner, name, span in found if name in vars(owner)]
 
 
 def _timed(function, span: str, bound_to_class: bool):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        with phase(span, min_seconds=0.005):
+        with phase(span, min_seconds=MIN_SECONDS):
             return function(*args, **kwargs)
 
     return classmethod(wrapper) if bound_to_class else wrapper
 
 
 @contextlib.contextmanager
+def _inductor_events() -> Iterator[None]:
+    """Inductor's timed events, while the block runs, as spans of the stage recorded here."""
+    recorder = recording()
+    try:
+        from torch._dynamo.utils import ChromiumEventLogger
+    except ImportError:
+        ChromiumEventLogger = None
+    if recorder is None or ChromiumEventLogger is None or "log_event_end" not in vars(ChromiumEventLogger):
+        yield
+        return
+    original = vars(ChromiumEventLogger)["log_event_end"]
+
+    @functools.wraps(original)
+    def log_event_end(self, event_name, time_ns, metadata, start_time_ns, *args, **kwargs):
+        with contextlib.suppress(Exception):  # never fail a compile for the timeline's sake
+            if time_ns - start_time_ns >= MIN_SECONDS * 1e9:
+                recorder.complete(PHASES.get(event_name, event_name), start_time_ns / 1e3, time_ns / 1e3,
+                                  "inductor", event=event_name)
+        return original(self, event_name, time_ns, metadata, start_time_ns, *args, **kwargs)
+
+    ChromiumEventLogger.log_event_end = log_event_end
+    try:
+        yield
+    finally:
+        ChromiumEventLogger.log_event_end = original
+
+
+def kernel_counts() -> dict[str, int]:
+    """Triton kernels this process asked inductor's async compile for so far: compiled, and
+    found already compiled (in memory or Triton's cache). `since(kernel_counts())` gives a block's."""
+    with contextlib.suppress(ImportError):
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        return {"triton_kernels_compiled": int(inductor["async_compile_cache_miss"]),
+                "triton_kernels_reused": int(inductor["async_compile_cache_hit"])}
+    return {}
+
+
+def since(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in kernel_counts().items()}
+
+
+@contextlib.contextmanager
 def traced() -> Iterator[None]:
-    """Within the block, autotuning and the C++ compile appear as spans of the running stage."""
+    """Within the block, inductor's phases appear as spans of the running stage."""
     originals = []
-    for owner, name, span in _entry_points():
+    for owner, name, span in _patched_functions():
         raw = vars(owner)[name]
         is_classmethod = isinstance(raw, classmethod)
         function = raw.__func__ if is_classmethod else raw
         originals.append((owner, name, raw))
         setattr(owner, name, _timed(function, span, is_classmethod))
     try:
-        yield
+        with _inductor_events():
+            yield
     finally:
         for owner, name, raw in reversed(originals):
             setattr(owner, name, raw)
+
+
+# Spans that enclose a compile's phases rather than being one: the runner's, the compile stage's
+# own, and inductor's outer drivers. Time inside them but outside every other span has no name.
+ENCLOSING = frozenset({
+    "admitted", "run", "AOTInductor", "compile_fx_aot", "compile_fx.<locals>.fw_compiler_base", "inductor_compile",
+    "fx_codegen_and_compile", "compile_fx_inner", "_compile_fx_inner", "GraphLowering.compile_to_fn",
+    "GraphLowering.compile_to_module", "GraphLowering.codegen",
+})
+
+
+def named_share(events: list[dict], stage: dict) -> float:
+    """The share of `stage`'s span (a trace.json event) that lies inside a named phase: any span of
+    its process within it, other than the ENCLOSING ones."""
+    start, end = stage["ts"], stage["ts"] + stage["dur"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e is not stage and e.get("pid") == stage.get("pid")
+                   and e.get("cat") != "stage" and e["name"] not in ENCLOSING
+                   and e["ts"] >= start and e["ts"] + e["dur"] <= end)
+    covered, reach = 0.0, start
+    for a, b in spans:
+        a = max(a, reach)
+        if b > a:
+            covered, reach = covered + b - a, b
+    return covered / stage["dur"] if stage["dur"] else 1.0

@@ -5,13 +5,17 @@
   stamps as it goes) never loses an input it still needs.
 - gc: least-recently-used eviction of unpinned blobs and records (diskcache's access_time, which
   only builds move), down to a size and/or past an age; records left naming an evicted blob go too.
+  The folders stages keep beside the store (compiled Triton kernels) are gc'd with it, entry by
+  entry (`folder_entries`): past the age, and first under a size limit, since a kernel recompiles
+  in a second where a blob may have taken an hour.
   With dry_run it works out the same evictions and changes nothing (`cudabuild cache gc --dry-run`).
 - enforce_limit: the gc a build runs after each stage it stores, under $CUDABUILD_CACHE_MAX_SIZE.
 - verify: re-hash every blob, drop the corrupt ones and the records that named them.
 - stats: the store's contents, and what the build log says the cache did for the last N builds.
 
-The size a limit bounds is the bytes of blobs and records (the memo, docs and build log are
-bookkeeping, a few KiB). Reads go through Store's inspection methods, which do not count as uses.
+The size `cache gc --max-size` bounds is the bytes of blobs, records and the folders beside the
+store; the limit a build enforces after each stage ($CUDABUILD_CACHE_MAX_SIZE) bounds blobs and
+records, which one SQL sum gives (the memo, docs and build log are bookkeeping, a few KiB). Reads go through Store's inspection methods, which do not count as uses.
 This module builds on Store and Store never imports it: what is in use (the pins) is worked out
 here, above the store, as dvc-data's gc(odb, used) has its caller do. Nothing here imports torch.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +129,7 @@ class GcReport:
     max_bytes: Optional[int] = None
     max_age_days: Optional[float] = None
     dry_run: bool = False  # what a gc would do: nothing was evicted or deleted
+    evicted_beside: dict = field(default_factory=dict)  # folder beside the store -> (entries, bytes)
 
     def lines(self) -> list[str]:
         rules = []
@@ -144,6 +150,9 @@ class GcReport:
             f"{kept} {plural(self.pinned_blobs, 'blob')} ({format_bytes(self.pinned_bytes)}) "
             f"that {plural(self.stamps, 'stamp')} under build/ reference",
         ]
+        for name, (count, size) in sorted(self.evicted_beside.items()):
+            out.append(f"{evicted} {plural(count, 'entry', 'entries')} ({format_bytes(size)}) of {name}/ beside the "
+                       "store, least recently used first")
         if self.orphan_files:
             out.append(f"{deleted} {plural(self.orphan_files, 'orphaned file')} ({format_bytes(self.orphan_bytes)}) "
                        f"that killed cache writes left behind")
@@ -166,6 +175,8 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
     report.pinned_blobs = sum(1 for e in kept if e.key.startswith("blob:"))
     report.pinned_bytes = sum(e.bytes for e in kept)
     total = sum(e.bytes for e in entries)
+    beside_left = _gc_beside(store.root, report, total, now, dry_run)
+    total += beside_left
     evicted: set[str] = set()  # a dry run's evictions: noted, and taken to succeed
     for entry in sorted((e for e in entries if not pinned.holds(e.key)), key=lambda e: (e.access_time, e.key)):
         too_old = max_age_days is not None and entry.access_time < now - max_age_days * 86400
@@ -189,13 +200,66 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
             total -= sum(e.bytes for e in entries if e.key in dangling)
         orphans = store.orphan_files(now=now)
         report.orphan_files, report.orphan_bytes = len(orphans), sum(size for _, size in orphans)
-        report.size_after = total
+        report.size_after = total - beside_left
         return report
     if report.evicted_blobs:
         report.dangling_records = len(_drop_dangling_records(store))
     report.orphan_files, report.orphan_bytes = store.sweep_orphans(now=now)
     report.size_after = store.size()
     return report
+
+
+@dataclass(frozen=True)
+class FolderEntry:
+    """One entry of a folder kept beside the store: a directory that holds files (a compiled
+    Triton kernel's), its bytes, and when it was last used (its files' latest access or change:
+    Triton reads an entry's files on a hit, writes them on a miss)."""
+
+    path: Path
+    bytes: int
+    last_used: float
+
+
+def folder_entries(folder: Path) -> list[FolderEntry]:
+    found: dict[Path, list[os.stat_result]] = {}
+    for file in folder.rglob("*"):
+        try:
+            if file.is_file() and not file.is_symlink():
+                found.setdefault(file.parent, []).append(file.stat())
+        except OSError:  # removed by a concurrent build or gc
+            continue
+    return [FolderEntry(path, sum(st.st_size for st in stats), max(max(st.st_atime, st.st_mtime) for st in stats))
+            for path, stats in found.items()]
+
+
+def _gc_beside(root: Path, report: GcReport, store_bytes: int, now: float, dry_run: bool) -> int:
+    """Evict entries of the folders beside the store (see the module docstring), given the
+    store's bytes; returns the bytes those folders hold after it."""
+    entries = [(folder.name, entry) for folder in _beside(root) for entry in folder_entries(folder)]
+    total = store_bytes + sum(entry.bytes for _, entry in entries)
+    for name, entry in sorted(entries, key=lambda item: item[1].last_used):
+        too_old = report.max_age_days is not None and entry.last_used < now - report.max_age_days * 86400
+        too_big = report.max_bytes is not None and total > report.max_bytes
+        if not (too_old or too_big):
+            continue
+        if not dry_run and not _remove_entry(entry.path):
+            continue
+        total -= entry.bytes
+        count, size = report.evicted_beside.get(name, (0, 0))
+        report.evicted_beside[name] = (count + 1, size + entry.bytes)
+    return total - store_bytes
+
+
+def _remove_entry(path: Path) -> bool:
+    """Delete an entry as one step: renamed away first, so a build reading the folder finds the
+    whole entry or none of it (a miss: the kernel is compiled again)."""
+    doomed = path.with_name(f".gc-{path.name}-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
 
 
 def enforce_limit(store: Store, project: os.PathLike | str) -> Optional[GcReport]:
@@ -360,9 +424,13 @@ def stats(store: Store, last: Optional[int] = None) -> Stats:
 _STORE_FOLDERS = {"store", "incoming", "locks"}
 
 
+def _beside(root: Path) -> list[Path]:
+    return sorted(p for p in Path(root).iterdir() if p.is_dir() and p.name not in _STORE_FOLDERS)
+
+
 def _folders_beside(root: Path) -> dict[str, tuple[int, int]]:
     found = {}
-    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir() and p.name not in _STORE_FOLDERS):
+    for folder in _beside(root):
         sizes = [f.stat().st_size for f in folder.rglob("*") if f.is_file()]
         found[folder.name] = (len(sizes), sum(sizes))
     return found

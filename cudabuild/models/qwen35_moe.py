@@ -125,28 +125,50 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
 
 
 def hand_the_delta_rule_contiguous_tensors() -> None:
-    """Make `torch.ops.triton.chunk_gated_delta_rule` take its tensors contiguous, once per process.
+    """Make ExecuTorch's `triton::chunk_gated_delta_rule` op take its tensors contiguous, once per
+    process, wherever it runs: eager (verify's reference), under FakeTensors (torch.export), and in
+    the decomposition AOTInductor compiles (FunctionalTensorMode).
 
     ExecuTorch's GatedDeltaNet (prefill) hands the op `v` as a channel slice of the transposed conv
     output: a dense view with strides [T*C, 1, Dv*T, T], not [T*H*Dv, H*Dv, Dv, 1]. The FLA kernels
-    behind the op index every input as contiguous [B, T, H, *], so they read v scrambled. Measured
-    on the H200 (torch 2.11, executorch 1.4.1, tiny): one delta-rule layer's output off by 4.3
-    against its own 2.7, and 0.016 (bf16 rounding) once v is contiguous; the plain-PyTorch form
-    and a token-by-token recurrence agree with the latter. Nothing in the op depends on the torch
-    version, so the pairing is not why. The wrapper stands where the forward looks the op up, so
-    eager runs (verify's reference) and torch.export (the lowered prefill copies v) both get it;
-    a tensor that is contiguous already is passed as it is.
+    behind the op index every input as contiguous [B, T, H, *], so they read v scrambled (and the
+    op's `empty_like(v)` outputs are written as contiguous but read with v's strides). Measured on
+    the H200 (torch 2.11, executorch 1.4.1, tiny): one delta-rule layer's output off by 4.3 against
+    its own 2.7, and 0.016 (bf16 rounding) once v is contiguous; the plain-PyTorch form and a
+    token-by-token recurrence agree with the latter. Nothing in the op depends on the torch version,
+    so the pairing is not why.
+
+    The op is a `torch.library.triton_op`, whose one Python function is registered three times
+    (kernel, fake, functional decomposition); each registration is wrapped in place through the
+    op's own `register_*` methods, so the op keeps its name and schema and the exported program
+    calls it as the stock one does. A tensor that is contiguous already is passed as it is.
+    (Replacing the `torch.ops.triton` attribute instead works eagerly but breaks strict export:
+    TorchDynamo treats every attribute of an op namespace as an op.)
     """
-    ops = torch.ops.triton
-    op = getattr(ops, "chunk_gated_delta_rule", None)  # registered only where fla-core imports
-    if op is None or getattr(op, "hands_contiguous_tensors", False):
+    try:  # registered only where fla-core imports (the GPU machine)
+        from executorch.backends.cuda.triton.kernels import chunk_gated_delta_rule as kernels
+    except ImportError:
         return
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    def chunk_gated_delta_rule(*tensors):
-        return op(*(t.contiguous() for t in tensors))
+    op = kernels.chunk_gated_delta_rule
+    if getattr(op, "hands_contiguous_tensors", False):
+        return
+    kernel, fake = op._backend_fns[None], op._abstract_fn
+    decomposition = op._torch_dispatch_fns[FunctionalTensorMode]
 
-    chunk_gated_delta_rule.hands_contiguous_tensors = True
-    ops.chunk_gated_delta_rule = chunk_gated_delta_rule
+    def dense(values):
+        return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
+
+    def decompose(mode, overload, types, args, kwargs):
+        with mode:
+            args = dense(args)
+        return decomposition(mode, overload, types, args, kwargs)
+
+    op.register_kernel(None)(lambda *args, **kwargs: kernel(*dense(args), **kwargs))
+    op.register_fake(lambda *args, **kwargs: fake(*dense(args), **kwargs))
+    op.register_torch_dispatch(FunctionalTensorMode, decompose)
+    op.hands_contiguous_tensors = True
 
 
 def prepare_decode(model, options: Mapping[str, Any]) -> None:

@@ -181,10 +181,13 @@ def _compile(ctx) -> StageResult:
     options = with_custom_shims(aoti_options(specs, target, toolchain))
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
                        mapped=mapped.tensors()) as (ep, fallbacks):
-        try:
-            paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
-        except Exception as e:
-            raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
+        with phase("AOTInductor") as span:
+            kernels_before = inductor_phases.kernel_counts()
+            try:
+                paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
+            except Exception as e:
+                raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
+            span.update(inductor_phases.since(kernels_before))
         if target == "cuda":
             check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
         used = sorted(fallbacks)

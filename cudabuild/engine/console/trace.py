@@ -159,6 +159,12 @@ class Recorder:
         return path
 
 
+def recording() -> Optional[Recorder]:
+    """The recorder of the stage being recorded in this context, or None: for spans that another
+    thread reports (inductor's compile events), which the context does not reach."""
+    return _current.get()
+
+
 @contextlib.contextmanager
 def phase(name: str, min_seconds: float = 0.0, **args) -> Iterator[dict]:
     """A span inside whatever stage is being recorded in this context (a no-op outside one); not
