@@ -98,14 +98,16 @@ def _inductor_events() -> Iterator[None]:
 
 
 def kernel_counts() -> dict[str, int]:
-    """Triton kernels this process asked inductor's async compile for so far: compiled, and
-    found already compiled (in memory or Triton's cache). `since(kernel_counts())` gives a block's."""
+    """Triton kernels this process's inductor asked for so far, and those of them that were the
+    source of one asked for before (compiled once). `since(kernel_counts())` gives a block's. How
+    many were compiled rather than found in Triton's cache, inductor does not know:
+    kernel_cache.entries does."""
     with contextlib.suppress(ImportError):
         from torch._dynamo.utils import counters
 
         inductor = counters["inductor"]
-        return {"triton_kernels_compiled": int(inductor["async_compile_cache_miss"]),
-                "triton_kernels_reused": int(inductor["async_compile_cache_hit"])}
+        return {"triton_kernels": int(inductor["async_compile_cache_miss"]),
+                "triton_kernels_repeated": int(inductor["async_compile_cache_hit"])}
     return {}
 
 

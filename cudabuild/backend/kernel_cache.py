@@ -9,7 +9,9 @@ miss would build. Triton writes each entry to a temporary name and renames it in
 builds that share the folder cannot see half an entry.
 
 `$CUDABUILD_KERNEL_CACHE` names another folder (caches of one machine can share one); a
-`TRITON_CACHE_DIR` the user set wins over both.
+`TRITON_CACHE_DIR` the user set wins over both. With a remote tier ($CUDABUILD_REMOTE), Triton's
+cache manager is cudabuild.backend.shared_kernels.SharedKernels, which shares the kernels through
+the tier (a `TRITON_CACHE_MANAGER` the user set wins).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 from pathlib import Path
 
 ENV = "CUDABUILD_KERNEL_CACHE"
+SHARED_MANAGER = "cudabuild.backend.shared_kernels:SharedKernels"
 
 
 def triton_dir(store_root: os.PathLike | str, environ=os.environ) -> Path:
@@ -26,6 +29,19 @@ def triton_dir(store_root: os.PathLike | str, environ=os.environ) -> Path:
 
 def environment(store_root: os.PathLike | str, environ=os.environ) -> dict[str, str]:
     """What points Triton at the shared folder, or nothing where the user points it elsewhere."""
-    if environ.get("TRITON_CACHE_DIR"):
-        return {}
-    return {"TRITON_CACHE_DIR": str(triton_dir(store_root, environ))}
+    env = {}
+    if not environ.get("TRITON_CACHE_DIR"):
+        env["TRITON_CACHE_DIR"] = str(triton_dir(store_root, environ))
+    if environ.get("CUDABUILD_REMOTE", "").strip() and not environ.get("TRITON_CACHE_MANAGER"):
+        env["TRITON_CACHE_MANAGER"] = SHARED_MANAGER
+    return env
+
+
+def entries(store_root: os.PathLike | str, environ=os.environ) -> set[str]:
+    """The kernels in the folder now (one entry per compiled kernel): a compile that adds entries
+    compiled those kernels, one that adds none found every kernel compiled already."""
+    try:
+        folder = environ.get("TRITON_CACHE_DIR") or triton_dir(store_root, environ)
+        return {name for name in os.listdir(folder) if not name.startswith(".")}
+    except OSError:
+        return set()

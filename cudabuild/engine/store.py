@@ -49,8 +49,9 @@ from cudabuild.engine.records import well_formed
 ORPHAN_MIN_AGE_S = 3600
 
 # Documents a shared tier keeps too: what a recipe declares and what its options resolve to (both
-# keyed by the recipe's source digests), so a fresh machine restores without importing torch.
-SHARED_DOCS = ("recipe:", "options:")
+# keyed by the recipe's source digests), so a fresh machine restores without importing torch; and
+# a compile's GEMM/conv tuning decisions (keyed by its tuning inputs), so it does not tune again.
+SHARED_DOCS = ("recipe:", "options:", "tune:")
 
 # diskcache culls past size_limit on every write; cudabuild evicts by its own rules (gc keeps what
 # build/ references), so the limit is set beyond reach. LRU policy keeps access times up to date.

@@ -182,12 +182,13 @@ def _compile(ctx) -> StageResult:
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
                        mapped=mapped.tensors()) as (ep, fallbacks):
         with phase("AOTInductor") as span:
-            kernels_before = inductor_phases.kernel_counts()
+            kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.store.root)
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
             except Exception as e:
                 raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
-            span.update(inductor_phases.since(kernels_before))
+            span.update(inductor_phases.since(kernels_before),
+                        triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before))
         if target == "cuda":
             check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
         used = sorted(fallbacks)
