@@ -13,6 +13,9 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
               the package and decode's verify rerun
   lowmem      low_memory_mode=ON (peak GPU memory during compile vs cold's)
   cold2       a second cold build in a fresh cache dir: are .pte/.ptd byte-identical to cold's?
+  warm        a cold build in a fresh cache dir whose kernel cache is cold's (a second machine whose
+              shared tier served every compiled Triton kernel): its time against cold's, and are
+              .pte/.ptd byte-identical to cold's?
   stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache,
               inductor's caches empty
   stockwarm   the same again, inductor's caches warm (what a re-export costs today)
@@ -35,7 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "stock": 100, "stockwarm": 60}  # H200, tiny_lm
+ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "stock": 100,
+            "stockwarm": 60}  # H200, tiny_lm
 
 
 def sha(path: Path) -> str | None:
@@ -46,6 +50,26 @@ def specs_of(project: Path, method: str) -> dict:
     """The specs the last build of `project` used for `method` (from its compile stamp)."""
     stamps = sorted(project.glob(f"build/*/*/.stamps/compile.{method}.json"))
     return json.loads(stamps[0].read_text())["inputs"].get("specs", {}) if stamps else {}
+
+
+def compile_spans(trace: Path) -> dict:
+    """Per compile stage of a timeline: seconds, the share inductor's phases name, the kernels."""
+    from cudabuild.backend.inductor_phases import ENCLOSING, named_share
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    found = {}
+    for stage in events:
+        if stage.get("cat") == "stage" and stage["name"].startswith("compile.") and stage["args"].get("step") == "execute":
+            inside = [e for e in events if e.get("pid") == stage["pid"] and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"]]
+            phases: dict[str, float] = {}
+            for e in inside:
+                if e.get("cat") == "inductor" and e["name"] not in ENCLOSING:
+                    phases[e["name"]] = round(phases.get(e["name"], 0.0) + e["dur"] / 1e6, 2)
+            aoti = next((e["args"] for e in inside if e["name"] == "AOTInductor"), {})
+            found[stage["name"]] = {"seconds": round(stage["dur"] / 1e6, 1), "named": round(named_share(events, stage), 3),
+                                    "kernels": {k: v for k, v in aoti.items() if k.startswith("triton")},
+                                    "top": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8])}
+    return found
 
 
 def main() -> None:
@@ -77,6 +101,7 @@ def main() -> None:
 
     def run(name: str, cwd: Path, cmd: list[str], cache: Path, extra_env: dict | None = None) -> dict:
         env = dict(os.environ, CUDABUILD_CACHE_DIR=str(cache), CUDABUILD_PROJECT=str(cwd), PYTHONPATH=f"{cwd}:{os.environ.get('PYTHONPATH', '')}")
+        env.pop("CUDABUILD_KERNEL_CACHE", None)  # each cache's own kernel folder, unless a case shares one
         env.update(extra_env or {})
         for stale in (cwd / "build" / args.model / args.target).glob("verify-*.failed.json"):
             stale.unlink()  # an earlier case's: only this run's failures are reported for it
@@ -87,6 +112,7 @@ def main() -> None:
         trace = cwd / "build" / args.model / args.target / "trace.json"
         if trace.exists() and trace.stat().st_mtime >= t0_wall:  # this case's timeline (Perfetto opens it)
             shutil.copy(trace, out / f"{name}-trace.json")
+            entry["compile_spans"] = compile_spans(trace)
         for log in (cwd / "build" / args.model / args.target / "logs").glob("*.log"):
             if log.stat().st_mtime >= t0_wall:  # the stages this case ran: third-party output, AUTOTUNE tables
                 (out / f"logs-{name}").mkdir(exist_ok=True)
@@ -134,6 +160,8 @@ def main() -> None:
         elif case == "cold2":
             second = project("second")
             run(case, second, doit, work / "cache-second")
+        elif case == "warm":
+            run(case, project("warm"), doit, work / "cache-warm", {"CUDABUILD_KERNEL_CACHE": str(cache / "kernels")})
         elif case in ("stock", "stockwarm"):
             # stock: ExecuTorch's own lowering with inductor's caches empty, as cudabuild's cold build
             # has them; stockwarm: the same again with those caches warm (a plain re-export today).
@@ -147,6 +175,11 @@ def main() -> None:
     cases = results["cases"]
     if "outputs" in cases.get("cold", {}) and "outputs" in cases.get("cold2", {}):
         results["identical_bytes_fresh_builds"] = cases["cold"]["outputs"] == cases["cold2"]["outputs"]
+    if "outputs" in cases.get("cold", {}) and "outputs" in cases.get("warm", {}):
+        results["identical_bytes_warm_kernels"] = cases["cold"]["outputs"] == cases["warm"]["outputs"]
+    if cases.get("cold", {}).get("rc") == 0:
+        results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
+                              for case in ("replay", "method", "warm", "cold2") if cases.get(case, {}).get("rc") == 0}
     stock_dir = work / "stock-out"
     if stock_dir.exists():
         results["stock_pte_sha"] = sha(stock_dir / "model.pte")
