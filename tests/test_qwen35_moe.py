@@ -93,8 +93,10 @@ def test_the_exported_decode_has_the_stock_signature_and_metadata(model, decode)
 
 def test_the_chunked_delta_rule_is_handed_contiguous_tensors(model):
     # Its FLA kernels read every input as contiguous [B, T, H, *]; ExecuTorch's layer hands it a
-    # strided view of v (q.hand_the_delta_rule_contiguous_tensors). Eagerly, a strided v must give
-    # what its contiguous copy gives; exported strictly, the op must be fed contiguous tensors.
+    # strided view of v (q.hand_the_delta_rule_contiguous_tensors). A strided v must give what its
+    # contiguous copy gives. The exported program keeps the stock call, v strided as the layer
+    # makes it: the copy happens inside the op, eagerly and in the decomposition AOTInductor
+    # compiles (tests/gpu's verify compares the two).
     if not hasattr(torch.ops.triton, "chunk_gated_delta_rule") or not torch.cuda.is_available():
         pytest.skip("the chunked delta rule needs fla-core and a GPU (the GPU machine has both)")
     B, T, H, K = 1, 9, 2, 64
@@ -117,10 +119,7 @@ def test_the_chunked_delta_rule_is_handed_contiguous_tensors(model):
     with torch.no_grad():
         program = torch.export.export(layer, (x, torch.arange(T)), strict=True)
     calls = [n for n in program.graph.nodes if str(n.target) == "triton.chunk_gated_delta_rule.default"]
-    assert calls
-    for node in calls:
-        strided_inputs = [i for i, arg in enumerate(node.args) if not arg.meta["val"].is_contiguous()]
-        assert not strided_inputs, f"inputs {strided_inputs} of {node.name} are not contiguous"
+    assert len(calls) == 1 and not calls[0].args[2].meta["val"].is_contiguous()
 
 
 def test_verify_finds_the_logits_the_sampler_draws_from(model, decode):

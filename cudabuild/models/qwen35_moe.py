@@ -145,8 +145,11 @@ def hand_the_delta_rule_contiguous_tensors() -> None:
     (Replacing the `torch.ops.triton` attribute instead works eagerly but breaks strict export:
     TorchDynamo treats every attribute of an op namespace as an op.)
     """
+    import importlib
+
     try:  # registered only where fla-core imports (the GPU machine)
-        from executorch.backends.cuda.triton.kernels import chunk_gated_delta_rule as kernels
+        # The module itself: the package's __init__ binds its name to the op.
+        kernels = importlib.import_module("executorch.backends.cuda.triton.kernels.chunk_gated_delta_rule")
     except ImportError:
         return
     from torch._subclasses.functional_tensor import FunctionalTensorMode
