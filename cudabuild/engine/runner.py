@@ -397,7 +397,8 @@ class Runner:
             with self._output_of(stage):
                 # The stage's module, and what it imports at its top, loads before the stage waits
                 # for its turn (a worker's wait is spent importing), and prints into its log.
-                module = importlib.import_module(self.pipeline.row(stage).module)
+                with trace.phase("import", min_seconds=0.05):
+                    module = importlib.import_module(self.pipeline.row(stage).module)
                 with self._admitted(stage, inputs):
                     start = time.monotonic()
                     with trace.phase("run"), memory.PeakSampler() as sampled:

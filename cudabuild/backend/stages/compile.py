@@ -162,9 +162,10 @@ def _compile(ctx) -> StageResult:
     toolchain = ctx.upstream("probe").value
     low_memory = specs.get("low_memory_mode") == "ON"
     device = _device_of(target)
-    release_model()
-    mapped = StoredWeights()
-    custom_ops.register(ctx.config.target)  # the ops its programs call
+    with phase("setup", min_seconds=0.05):
+        release_model()
+        mapped = StoredWeights()
+        custom_ops.register(ctx.config.target)  # the ops its programs call (importing their kernels)
     with phase("load"):
         ep = load_program(ctx.reader("edge", method), mapped)  # weights mapped from the store, not read
     cache_dir = inductor_dir_for(ctx.key)
