@@ -1,7 +1,7 @@
 """The CUDA target on a GPU machine, every case side by side in one run (issue: CUDA target).
 
     python bench/cuda_target.py [--model tiny_lm] [--set size=35b-a3b --set layers=4] [--budget 280] [--out DIR]
-    python bench/cuda_target.py --target cpu --cases cold,noop,replay,method,cold2,stock,stockwarm   # on a CPU
+    python bench/cuda_target.py --target cpu --cases cold,noop,replay,method,cold2,warm,pinned,stock,stockwarm   # on a CPU
 
 Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
   cold        empty cache, the recipe's specs; then bench/package_identity.py: are the stand-in
@@ -16,6 +16,9 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
   warm        a cold build in a fresh cache dir whose kernel cache is cold's (a second machine whose
               shared tier served every compiled Triton kernel): its time against cold's, and are
               .pte/.ptd byte-identical to cold's?
+  pinned      tuning pinned from the main build (`autotune=pin`), then a cold build in a fresh cache
+              and a build whose kernel cache is that one's, both with those pins: with no timing
+              left to choose, are their .pte/.ptd byte-identical?
   stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache,
               inductor's caches empty
   stockwarm   the same again, inductor's caches warm (what a re-export costs today)
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "stock": 100,
+ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 
@@ -162,6 +165,15 @@ def main() -> None:
             run(case, second, doit, work / "cache-second")
         elif case == "warm":
             run(case, project("warm"), doit, work / "cache-warm", {"CUDABUILD_KERNEL_CACHE": str(cache / "kernels")})
+        elif case == "pinned":
+            run("pin", main_project, doit + ["autotune=pin"], cache)
+            pins = main_project / "recipes" / f"{args.model}.autotune.json"
+            builds = {"pinned-cold": {}, "pinned-warm": {"CUDABUILD_KERNEL_CACHE": str(work / "cache-pinned-cold" / "kernels")}}
+            for name, extra in builds.items():
+                root = project(name)
+                if pins.exists():
+                    shutil.copy(pins, root / "recipes" / pins.name)
+                run(name, root, doit, work / f"cache-{name}", extra)
         elif case in ("stock", "stockwarm"):
             # stock: ExecuTorch's own lowering with inductor's caches empty, as cudabuild's cold build
             # has them; stockwarm: the same again with those caches warm (a plain re-export today).
@@ -177,9 +189,11 @@ def main() -> None:
         results["identical_bytes_fresh_builds"] = cases["cold"]["outputs"] == cases["cold2"]["outputs"]
     if "outputs" in cases.get("cold", {}) and "outputs" in cases.get("warm", {}):
         results["identical_bytes_warm_kernels"] = cases["cold"]["outputs"] == cases["warm"]["outputs"]
+    if "outputs" in cases.get("pinned-cold", {}) and "outputs" in cases.get("pinned-warm", {}):
+        results["identical_bytes_pinned_warm_kernels"] = cases["pinned-cold"]["outputs"] == cases["pinned-warm"]["outputs"]
     if cases.get("cold", {}).get("rc") == 0:
         results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
-                              for case in ("replay", "method", "warm", "cold2") if cases.get(case, {}).get("rc") == 0}
+                              for case in ("replay", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
     stock_dir = work / "stock-out"
     if stock_dir.exists():
         results["stock_pte_sha"] = sha(stock_dir / "model.pte")
