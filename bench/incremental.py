@@ -6,7 +6,7 @@
 (b) cudabuild cold (empty cache), with its default workers (the two methods' stages side by side,
 one worker per core: cudabuild.engine.workers), (b1) cold with one stage at a time (`doit -n 1`,
 its own empty cache and inductor cache: the overhead of the stages themselves), (c) no-op, (d) restore after deleting build/ and .doit.db,
-(e) a comment edit in the recipe (export reruns, early cutoff stops the rest), (f) a one-method
+(e) a comment edit in the recipe (the sources are keyed by their code: nothing reruns), (f) a one-method
 spec change (decode.emulate_precision_casts=OFF: decode's compile, package and decode's verify).
 Each case is a whole process, timed from outside; the project is a throwaway copy, the cache a
 fresh folder, and inductor's cache a fresh folder too, so (a) and (b) both start cold.

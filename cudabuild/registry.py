@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from cudabuild.errors import RecipeError, UnknownModel
-from cudabuild.engine.hashing import FileHasher, digest
+from cudabuild.engine.hashing import FileHasher, code_digest, digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
 DESCRIPTION_VERSION = 3
@@ -92,7 +92,10 @@ def module_closure(project: Path, start: Path) -> list[Path]:
 
 
 def source_digests(project: Path, model: str, hasher: FileHasher) -> dict[str, str]:
-    return {str(p.relative_to(project)): hasher(p) for p in source_files(project, model)}
+    """Each source's code digest (hashing.code_digest: comments and blank lines left out), memoised
+    by its stat like a file hash: a comment edit reruns nothing. (The exported program's stack
+    traces may then name lines from before such an edit; no artifact depends on them.)"""
+    return {str(p.relative_to(project)): hasher.derived(p, "code", code_digest) for p in source_files(project, model)}
 
 
 def load_recipe(project: Path, model: str):

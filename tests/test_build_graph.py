@@ -91,10 +91,20 @@ def test_noop_runs_nothing_imports_no_torch_and_is_fast(tiny_copy):
     assert elapsed < 1.0, f"no-op took {elapsed:.2f}s"
 
 
-def test_comment_edit_reruns_export_only(tiny_copy):
+def test_a_comment_edit_reruns_nothing(tiny_copy):
+    recipe = tiny_copy.root / "recipes" / "tiny_lm.py"
+    recipe.write_text("# a comment that moves every line\n\n" + recipe.read_text().replace(
+        "def decode_inputs(model: TinyLM):", "def decode_inputs(model: TinyLM):  # a comment at a line's end"))
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    assert set(tiny_copy.statuses().values()) == {"cached"}
+    recipe.write_text(recipe.read_text().replace("def decode_inputs(model: TinyLM):", "def decode_inputs(model):"))
+    assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
+    assert tiny_copy.statuses()["export.decode"] == "ran"  # a code edit is not a comment
+
+
+def test_an_edit_that_changes_no_graph_reruns_export_only(tiny_copy):
     recipe = tiny_copy.root / "recipes" / "tiny_lm.py"
     text = recipe.read_text()
-    text = text.replace("def decode_inputs(model: TinyLM):", "# a comment that changes no graph\ndef decode_inputs(model: TinyLM):")
     text = text.replace("T = 8\n    return (torch.arange(T,", "length = 8\n    T = length\n    return (torch.arange(T,")
     recipe.write_text(text)
     assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))

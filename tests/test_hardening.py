@@ -302,8 +302,9 @@ def small_disk(tmp_path, built_tiny):
 def test_full_disk_fails_in_one_line_and_a_build_with_room_succeeds(built_tiny, tiny_copy, small_disk, room):
     project = Project(tiny_copy.root, small_disk / "cache")
     shutil.copytree(tiny_copy.cache, project.cache)
-    recipe = project.root / "recipes" / "tiny_lm.py"  # a comment that moves every line: export writes new blobs
-    recipe.write_text("# moved down a line\n" + recipe.read_text())
+    recipe = project.root / "recipes" / "tiny_lm.py"  # a statement that moves every line: export writes new blobs
+    recipe.write_text(recipe.read_text().replace("from __future__ import annotations\n",
+                                                 "from __future__ import annotations\n\nMOVED_DOWN_A_LINE = 1\n", 1))
     filler = small_disk / "filler"
     with open(filler, "wb") as f:
         f.write(bytes(max(shutil.disk_usage(small_disk).free - room, 0)))

@@ -28,8 +28,11 @@ def test_editing_a_model_module_changes_the_described_sources(project, model, ed
     try:
         before = registry.describe(project.root, model, store, "cpu")["sources"]
         path = project.root / edited
-        path.write_text(path.read_text() + "\n# an edit\n")
+        path.write_text(path.read_text() + "\n# a comment: no edit of the code\n")
+        commented = registry.describe(project.root, model, store, "cpu")["sources"]
+        path.write_text(path.read_text() + "\nAN_EDIT = 1\n")
         after = registry.describe(project.root, model, store, "cpu")["sources"]
     finally:
         store.close()
+    assert commented == before
     assert {name for name in before if before[name] != after[name]} == {edited}

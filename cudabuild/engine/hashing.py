@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import tokenize
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -31,6 +32,27 @@ def sha256_file(path: os.PathLike | str) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
+    return h.hexdigest()
+
+
+# Token kinds that carry no meaning: comments, blank lines, the encoding marker.
+_UNMEANING = frozenset({tokenize.COMMENT, tokenize.NL, tokenize.ENCODING})
+
+
+def code_digest(path: os.PathLike | str) -> str:
+    """sha256 of a Python file's tokens, without its comments and blank lines: the same for two
+    versions of a file that differ only there, so a comment edit changes no key. Layout that has
+    meaning (indentation, line breaks between statements) and docstrings are kept. A file that does
+    not tokenize gets its bytes' sha256 (it then fails where it is imported, with its own error).
+    """
+    h = hashlib.sha256(b"python tokens v1\n")
+    try:
+        with open(path, "rb") as f:
+            for token in tokenize.tokenize(f.readline):
+                if token.type not in _UNMEANING:
+                    h.update(f"{token.type} {token.string!r}\n".encode())
+    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
+        return sha256_file(path)
     return h.hexdigest()
 
 
