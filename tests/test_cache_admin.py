@@ -225,7 +225,7 @@ def test_stats_count_the_folders_stages_keep_beside_the_store(tmp_path):
     assert lines[1] == "beside it: kernels/ 2 files 2.9 KiB"
 
 
-def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_limit(tmp_path):
+def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_limit(tmp_path, monkeypatch):
     """The kernel cache (kernels/triton/<hash>/, Triton's layout) is gc'd entry by entry: an entry
     not used within the age goes, and under a size limit kernels go before any blob; `cache stats`
     counts what is left."""
@@ -255,5 +255,11 @@ def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_li
         assert report.evicted_beside == {"kernels": (1, 80_000)} and report.evicted_blobs == 0
         assert [p.name for p in kernels.iterdir()] == ["newer"] and store.has_blob(blob)
         assert cache_admin.stats(store).folders == {"kernels": (2, 80_000)}
+
+        # The limit a build enforces after each stage bounds the store alone: it leaves the kernels.
+        monkeypatch.setenv(cache_admin.MAX_SIZE_ENV, str(store.size() - 1))
+        enforced = cache_admin.enforce_limit(store, project)
+        assert enforced.evicted_blobs == 1 and enforced.evicted_beside == {}
+        assert [p.name for p in kernels.iterdir()] == ["newer"]
     finally:
         store.close()

@@ -15,7 +15,9 @@
 
 The size `cache gc --max-size` bounds is the bytes of blobs, records and the folders beside the
 store; the limit a build enforces after each stage ($CUDABUILD_CACHE_MAX_SIZE) bounds blobs and
-records, which one SQL sum gives (the memo, docs and build log are bookkeeping, a few KiB). Reads go through Store's inspection methods, which do not count as uses.
+records, which one SQL sum gives, without walking the kernel folder on a build's path (the memo,
+docs and build log are bookkeeping, a few KiB). Reads go through Store's inspection methods,
+which do not count as uses.
 This module builds on Store and Store never imports it: what is in use (the pins) is worked out
 here, above the store, as dvc-data's gc(odb, used) has its caller do. Nothing here imports torch.
 """
@@ -163,10 +165,11 @@ class GcReport:
 
 
 def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_days: Optional[float] = None,
-       now: Optional[float] = None, dry_run: bool = False) -> GcReport:
+       now: Optional[float] = None, dry_run: bool = False, beside: bool = True) -> GcReport:
     """Evict unpinned blobs and records: older than max_age_days, then least recently used until
     max_bytes. Also deletes files that killed writes left without a row (Store.sweep_orphans).
-    With dry_run, the report says what would be evicted and deleted, and the store is left as it is."""
+    With dry_run, the report says what would be evicted and deleted, and the store is left as it is.
+    With beside=False, the folders beside the store are neither counted nor evicted."""
     now = time.time() if now is None else now
     pinned = pins(project)
     entries = store.entries("blob:") + store.entries("rec:")
@@ -175,7 +178,7 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
     report.pinned_blobs = sum(1 for e in kept if e.key.startswith("blob:"))
     report.pinned_bytes = sum(e.bytes for e in kept)
     total = sum(e.bytes for e in entries)
-    beside_left = _gc_beside(store.root, report, total, now, dry_run)
+    beside_left = _gc_beside(store.root, report, total, now, dry_run) if beside else 0
     total += beside_left
     evicted: set[str] = set()  # a dry run's evictions: noted, and taken to succeed
     for entry in sorted((e for e in entries if not pinned.holds(e.key)), key=lambda e: (e.access_time, e.key)):
@@ -277,7 +280,7 @@ def enforce_limit(store: Store, project: os.PathLike | str) -> Optional[GcReport
     limit = parse_size(raw, where=MAX_SIZE_ENV)
     if store.size() <= limit:
         return None
-    return gc(store, Path(project), max_bytes=limit)
+    return gc(store, Path(project), max_bytes=limit, beside=False)
 
 
 # -- verify --------------------------------------------------------------------------------------
