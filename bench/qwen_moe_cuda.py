@@ -16,9 +16,11 @@ Cases (each a whole process; cudabuild builds in a project copy with its own cac
   parity    the two .pte files side by side: methods, their inputs and outputs, the constant
             methods (metadata), delegates and what lies outside them, file sizes
   lowmem    the cold build with low_memory_mode=ON (quantize, exports and edges come from the cache)
-  memory    `size=35b-a3b layers=N` for each N of --layers, low_memory_mode OFF then ON: the peak GPU
-            memory of each method's compile (to the compile stages only), the slope per layer and
-            its extrapolation to 40 layers; --runtime-35b adds the runtime case at the first N
+  memory    `size=35b-a3b layers=N` for each N of --layers, low_memory_mode in each of --modes (OFF,ON):
+            the peak GPU memory of each method's compile (to the compile stages only), the slope per
+            layer and its extrapolation to 40 layers; --runtime-35b adds the runtime case at the first N
+  hqq       the quantize stage alone at `size=35b-a3b layers=N` (the first N) with hqq=true, then the
+            same again (a no-op): HQQ's seconds beside min/max's (the memory case's quantize)
 Cases are skipped once the time budget would be exceeded. Results go to OUT/qwen_moe_cuda.json,
 logs of every case to OUT/logs.tar.gz.
 """
@@ -39,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ESTIMATE = {"cold": 240, "noop": 10, "restore": 15, "runtime": 60, "stock": 200, "parity": 20, "lowmem": 150,
-            "memory": 300}
+            "memory": 300, "hqq": 120}
 MODEL, TARGET = "qwen_moe", "cuda"
 
 
@@ -308,6 +310,7 @@ def main() -> None:
     parser.add_argument("--runtime", default=str(ROOT / ".etrt" / "run.sh"))
     parser.add_argument("--layers", default="1,2")
     parser.add_argument("--runtime-35b", action="store_true")
+    parser.add_argument("--modes", default="OFF,ON", help="the memory case's low_memory_mode values")
     parser.add_argument("--budget", type=float, default=560)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args()
@@ -359,6 +362,8 @@ def main() -> None:
                 results["cases"][case] = bench.build("lowmem", main_project, cache, "low_memory_mode=ON", *args.set)
             elif case == "memory":
                 results["cases"][case] = memory_case(bench, args)
+            elif case == "hqq":
+                results["cases"][case] = hqq_case(bench, args)
         except Exception as e:  # one case's failure must not cost the others
             import traceback
 
@@ -378,7 +383,7 @@ def memory_case(bench: Bench, args) -> dict:
     for n in [int(x) for x in args.layers.split(",") if x]:
         project, cache = bench.project(f"mem{n}"), bench.work / f"cache-mem{n}"
         settings = ["size=35b-a3b", f"layers={n}", *args.set]
-        for mode in ("OFF", "ON"):
+        for mode in args.modes.split(","):
             if bench.left() < 90:
                 rows[f"{n}/{mode}"] = {"skipped": "time budget"}
                 continue
@@ -396,6 +401,21 @@ def memory_case(bench: Bench, args) -> dict:
                 options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
                 rows[f"{n}/runtime"] = runtime_case(bench, f"runtime35b-{n}", project, cache, args.runtime, options, 127)
     return {"rows": rows, "table": table}
+
+
+def hqq_case(bench: Bench, args) -> dict:
+    """The quantize stage with HQQ at the real shapes, then a no-op of it."""
+    n = int(args.layers.split(",")[0])
+    project, cache = bench.project(f"hqq{n}"), bench.work / f"cache-hqq{n}"
+    settings = ["size=35b-a3b", f"layers={n}", "hqq=true", *args.set]
+    rows = {}
+    for name in ("cold", "noop"):
+        entry = bench.build(f"hqq{n}-{name}", project, cache, *settings, tasks=("export:quantize",))
+        rows[name] = {"rc": entry["rc"], "seconds": entry["seconds"], "quantize": entry["stages"].get("quantize"),
+                      "stderr_tail": entry["stderr_tail"]}
+        if entry["rc"] != 0:
+            break
+    return rows
 
 
 if __name__ == "__main__":
