@@ -396,7 +396,8 @@ def memory_case(bench: Bench, args) -> dict:
             table.append({"layers": n, "low_memory_mode": mode, **{k: v for k, v in peaks.items()}})
         if args.runtime_35b and n == int(args.layers.split(",")[0]) and bench.left() > 150:
             done = bench.build(f"mem{n}-package", project, cache, *settings, "low_memory_mode=OFF")
-            rows[f"{n}/package"] = {"rc": done["rc"], "verify": done.get("verify"), "seconds": done["seconds"]}
+            rows[f"{n}/package"] = {"rc": done["rc"], "verify": done.get("verify"), "seconds": done["seconds"],
+                                    "verify_failed": done.get("verify_failed"), "stderr_tail": done["stderr_tail"]}
             if done["rc"] == 0:
                 options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
                 rows[f"{n}/runtime"] = runtime_case(bench, f"runtime35b-{n}", project, cache, args.runtime, options, 127)
