@@ -19,6 +19,9 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
   pinned      tuning pinned from the main build (`autotune=pin`), then a cold build in a fresh cache
               and a build whose kernel cache is that one's, both with those pins: with no timing
               left to choose, are their .pte/.ptd byte-identical?
+  o0          a cold build in a fresh cache with compile_wrapper_opt_level=O0 (the wrapper's C++ at
+              -O0, as ExecuTorch's Qwen3.5-MoE exporter builds it; unset is inductor's -O1): its compile
+              stages' seconds against cold's
   stock       bench/baseline_lower.py: ExecuTorch's own CudaPartitioner, same specs, no cache,
               inductor's caches empty
   stockwarm   the same again, inductor's caches warm (what a re-export costs today)
@@ -41,7 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "stock": 100,
+ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 
@@ -165,6 +168,8 @@ def main() -> None:
             run(case, second, doit, work / "cache-second")
         elif case == "warm":
             run(case, project("warm"), doit, work / "cache-warm", {"CUDABUILD_KERNEL_CACHE": str(cache / "kernels")})
+        elif case == "o0":
+            run(case, project("o0"), doit + ["compile_wrapper_opt_level=O0"], work / "cache-o0")
         elif case == "pinned":
             run("pin", main_project, doit + ["autotune=pin"], cache)
             pins = main_project / "recipes" / f"{args.model}.autotune.json"
@@ -194,6 +199,11 @@ def main() -> None:
     if cases.get("cold", {}).get("rc") == 0:
         results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
                               for case in ("replay", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
+    seconds = lambda c: {stage: {"seconds": v.get("seconds"), "C++ compile": v.get("top", {}).get("C++ compile")}
+                         for stage, v in (cases.get(c, {}).get("compile_spans") or {}).items()}
+    if cases.get("o0", {}).get("rc") == 0 and cases.get("cold", {}).get("rc") == 0:
+        results["wrapper_O0"] = {"seconds/cold": round(cases["o0"]["seconds"] / cases["cold"]["seconds"], 3),
+                                 "compile_spans_cold": seconds("cold"), "compile_spans_O0": seconds("o0")}
     stock_dir = work / "stock-out"
     if stock_dir.exists():
         results["stock_pte_sha"] = sha(stock_dir / "model.pte")

@@ -19,6 +19,9 @@ Cases (each a whole process; cudabuild builds in a project copy with its own cac
   memory    `size=35b-a3b layers=N` for each N of --layers, low_memory_mode in each of --modes (OFF,ON):
             the peak GPU memory of each method's compile (to the compile stages only), the slope per
             layer and its extrapolation to 40 layers; --runtime-35b adds the runtime case at the first N
+  optlevel  the cold build's project copied, built with compile_wrapper_opt_level=O1 (inductor's default;
+            the recipe's is O0) in the same cache: only compile, package and verify rerun; its compile
+            seconds against cold's, and the runtime case on it (decode and prefill latency at O1)
   hqq       the quantize stage alone at `size=35b-a3b layers=N` (the first N) with hqq=true, then the
             same again (a no-op): HQQ's seconds beside min/max's (the memory case's quantize)
 Cases are skipped once the time budget would be exceeded. Results go to OUT/qwen_moe_cuda.json,
@@ -41,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ESTIMATE = {"cold": 240, "noop": 10, "restore": 15, "runtime": 60, "stock": 200, "parity": 20, "lowmem": 150,
-            "memory": 300, "hqq": 120}
+            "memory": 300, "hqq": 120, "optlevel": 250}
 MODEL, TARGET = "qwen_moe", "cuda"
 
 
@@ -362,6 +365,8 @@ def main() -> None:
                 results["cases"][case] = bench.build("lowmem", main_project, cache, "low_memory_mode=ON", *args.set)
             elif case == "memory":
                 results["cases"][case] = memory_case(bench, args)
+            elif case == "optlevel":
+                results["cases"][case] = optlevel_case(bench, cache, args)
             elif case == "hqq":
                 results["cases"][case] = hqq_case(bench, args)
         except Exception as e:  # one case's failure must not cost the others
@@ -371,6 +376,12 @@ def main() -> None:
             print(f"{case:<24} error: {type(e).__name__}: {e}", flush=True)
         bench.save()
     cases = results["cases"]
+    if cases.get("optlevel", {}).get("rc") == 0 and "stages" in cases.get("cold", {}):
+        results["wrapper_O0_vs_O1"] = {
+            "compile_seconds_O0": {k: v["seconds"] for k, v in cases["cold"]["stages"].items() if k.startswith("compile")},
+            "compile_seconds_O1": cases["optlevel"]["compile_seconds"],
+            "timings_O0": (cases.get("runtime") or {}).get("timings"),
+            "timings_O1": (cases["optlevel"].get("runtime") or {}).get("timings")}
     if "seconds" in cases.get("cold", {}) and "seconds" in cases.get("stock", {}):
         results["ratios"] = {"cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"]}
     bench.save()
@@ -402,6 +413,19 @@ def memory_case(bench: Bench, args) -> dict:
                 options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
                 rows[f"{n}/runtime"] = runtime_case(bench, f"runtime35b-{n}", project, cache, args.runtime, options, 127)
     return {"rows": rows, "table": table}
+
+
+def optlevel_case(bench: Bench, cache: Path, args) -> dict:
+    """The wrapper's C++ at -O1 against the recipe's -O0: compile seconds, and latency in the runtime."""
+    project = bench.project("o1")
+    entry = bench.build("optlevel-O1", project, cache, "compile_wrapper_opt_level=O1", *args.set)
+    row = {"rc": entry["rc"], "seconds": entry["seconds"], "statuses": entry.get("statuses"),
+           "compile_seconds": {stage: s["seconds"] for stage, s in entry["stages"].items() if stage.startswith("compile")},
+           "verify": entry.get("verify"), "stderr_tail": entry["stderr_tail"]}
+    if entry["rc"] == 0:
+        options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+        row["runtime"] = runtime_case(bench, "runtime-O1", project, cache, args.runtime, options, 63)
+    return row
 
 
 def hqq_case(bench: Bench, args) -> dict:
