@@ -64,6 +64,8 @@ def test_a_compiles_time_is_named_by_inductors_phases(built_tiny):
         aoti, = (e for e in events if e["name"] == "AOTInductor" and e["pid"] == stage["pid"]
                  and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"])
         assert aoti["args"]["triton_kernels"] == aoti["args"]["triton_kernels_compiled"] == 0  # C++ kernels on the CPU
+        assert 1 <= aoti["args"]["compile_threads"] <= os.cpu_count()
+        assert aoti["args"]["compile_workers"] in ("pool", "in-process")
 
 
 def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tmp_path):

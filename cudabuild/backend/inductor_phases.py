@@ -156,3 +156,15 @@ def named_share(events: list[dict], stage: dict) -> float:
         if b > a:
             covered, reach = covered + b - a, b
     return covered / stage["dur"] if stage["dur"] else 1.0
+
+
+def compile_parallelism() -> dict:
+    """How inductor compiled this process's kernels: its compile_threads (the cores it may use),
+    and whether its worker pool came up. AOT compiles do not warm the pool as torch.compile does,
+    and until the pool answers, inductor compiles Triton kernels one by one in this process."""
+    from torch._inductor import async_compile, config
+
+    ready = getattr(async_compile.AsyncCompile, "_ready_future", None)  # a private name: absent is "unknown"
+    threads = async_compile.get_compile_threads() if hasattr(async_compile, "get_compile_threads") else config.compile_threads
+    return {"compile_threads": threads,
+            "compile_workers": "pool" if ready is not None and ready.done() else "in-process"}

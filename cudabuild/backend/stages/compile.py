@@ -188,7 +188,7 @@ def _compile(ctx) -> StageResult:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
             except Exception as e:
                 raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
-            span.update(inductor_phases.since(kernels_before),
+            span.update(inductor_phases.since(kernels_before), **inductor_phases.compile_parallelism(),
                         triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before))
         if target == "cuda":
             check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
