@@ -164,7 +164,9 @@ def compile_parallelism() -> dict:
     and until the pool answers, inductor compiles Triton kernels one by one in this process."""
     from torch._inductor import async_compile, config
 
-    ready = getattr(async_compile.AsyncCompile, "_ready_future", None)  # a private name: absent is "unknown"
     threads = async_compile.get_compile_threads() if hasattr(async_compile, "get_compile_threads") else config.compile_threads
+    if not hasattr(async_compile.AsyncCompile, "_ready_future"):  # a private name another torch may not have
+        return {"compile_threads": threads, "compile_workers": "unknown"}
+    ready = async_compile.AsyncCompile._ready_future
     return {"compile_threads": threads,
             "compile_workers": "pool" if ready is not None and ready.done() else "in-process"}
