@@ -118,6 +118,11 @@ class Bench:
         return entry
 
 
+def built_options(project: Path) -> dict:
+    """The recipe options the project's last build resolved (its manifest's)."""
+    return json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+
+
 def _small(value):
     if isinstance(value, dict):
         return {k: _small(v) for k, v in value.items() if k not in ("fallback_kernels",)}
@@ -338,7 +343,7 @@ def main() -> None:
                 shutil.rmtree(main_project / "build", ignore_errors=True)
                 results["cases"][case] = bench.build(case, main_project, cache, *args.set)
             elif case == "runtime":
-                options = json.loads((main_project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+                options = built_options(main_project)
                 results["cases"][case] = runtime_case(bench, "runtime", main_project, cache, args.runtime, options, 63)
             elif case == "stock":
                 script = stock_exporter(low_memory=False)
@@ -410,7 +415,7 @@ def memory_case(bench: Bench, args) -> dict:
             rows[f"{n}/package"] = {"rc": done["rc"], "verify": done.get("verify"), "seconds": done["seconds"],
                                     "verify_failed": done.get("verify_failed"), "stderr_tail": done["stderr_tail"]}
             if done["rc"] == 0:
-                options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+                options = built_options(project)
                 rows[f"{n}/runtime"] = runtime_case(bench, f"runtime35b-{n}", project, cache, args.runtime, options, 127)
     return {"rows": rows, "table": table}
 
@@ -423,7 +428,7 @@ def optlevel_case(bench: Bench, cache: Path, args) -> dict:
            "compile_seconds": {stage: s["seconds"] for stage, s in entry["stages"].items() if stage.startswith("compile")},
            "verify": entry.get("verify"), "stderr_tail": entry["stderr_tail"]}
     if entry["rc"] == 0:
-        options = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+        options = built_options(project)
         row["runtime"] = runtime_case(bench, "runtime-O1", project, cache, args.runtime, options, 63)
     return row
 
