@@ -9,6 +9,9 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked
+  workers2    replay's spec change with two workers (CUDABUILD_JOBS=2), on a copy of the project
+              and cache taken right after cold: both compiles share the GPU once cold measured
+              their device memory, kernel timings one at a time; its time against replay's
   method      a one-method spec change (decode.low_memory_mode flipped): only decode's compile,
               the package and decode's verify rerun
   lowmem      low_memory_mode=ON (peak GPU memory during compile vs cold's)
@@ -44,7 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
+ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 
@@ -76,6 +79,18 @@ def compile_spans(trace: Path) -> dict:
                                     "kernels": {k: v for k, v in aoti.items() if k.startswith("triton")},
                                     "top": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8])}
     return found
+
+
+def compile_overlap(trace: Path) -> float | None:
+    """Seconds during which the timeline's two compile stages ran at once."""
+    if not trace.exists():
+        return None
+    events = json.loads(trace.read_text())["traceEvents"]
+    runs = [e for e in events if e.get("cat") == "stage" and e["name"].startswith("compile.") and e["args"].get("step") == "execute"]
+    if len(runs) != 2:
+        return None
+    a, b = runs
+    return round(max(0.0, min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"])) / 1e6, 1)
 
 
 def main() -> None:
@@ -150,6 +165,9 @@ def main() -> None:
             continue
         if case == "cold":
             if run(case, main_project, doit, cache)["rc"] == 0:
+                if "workers2" in args.cases.split(","):  # the state replay starts from, for workers2
+                    shutil.copytree(main_project, work / "workers2", symlinks=True)
+                    shutil.copytree(cache, work / "cache-workers2", symlinks=True)
                 # package lowers stand-ins: are its bytes those of lowering the exported programs?
                 check = run("package_identity", main_project, [sys.executable, "bench/package_identity.py", args.model, args.target], cache)
                 lines = (out / "package_identity.log").read_text().split("\n--- stderr ---")[0].strip().splitlines()
@@ -158,6 +176,10 @@ def main() -> None:
             run(case, main_project, doit, cache)
         elif case == "replay":
             run(case, main_project, doit + ["emulate_precision_casts=OFF"], cache)
+        elif case == "workers2" and (work / "workers2").exists():
+            entry = run(case, work / "workers2", doit + ["emulate_precision_casts=OFF"], work / "cache-workers2",
+                        {"CUDABUILD_JOBS": "2"})
+            entry["compile_overlap_seconds"] = compile_overlap(out / f"{case}-trace.json")
         elif case == "method":
             flipped = "OFF" if specs_of(main_project, "decode").get("low_memory_mode") == "ON" else "ON"
             run(case, main_project, doit + [f"decode.low_memory_mode={flipped}"], cache)
@@ -198,7 +220,10 @@ def main() -> None:
         results["identical_bytes_pinned_warm_kernels"] = cases["pinned-cold"]["outputs"] == cases["pinned-warm"]["outputs"]
     if cases.get("cold", {}).get("rc") == 0:
         results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
-                              for case in ("replay", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
+                              for case in ("replay", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
+    if cases.get("workers2", {}).get("rc") == 0 and cases.get("replay", {}).get("rc") == 0:
+        results["two_workers"] = {"workers2/replay": round(cases["workers2"]["seconds"] / cases["replay"]["seconds"], 3),
+                                  "compile_overlap_seconds": cases["workers2"].get("compile_overlap_seconds")}
     seconds = lambda c: {stage: {"seconds": v.get("seconds"), "C++ compile": v.get("top", {}).get("C++ compile")}
                          for stage, v in (cases.get(c, {}).get("compile_spans") or {}).items()}
     if cases.get("o0", {}).get("rc") == 0 and cases.get("cold", {}).get("rc") == 0:

@@ -120,9 +120,12 @@ def recover_doit_db(argv: list[str] | None = None) -> None:
 
 def _default_workers() -> int:
     """One worker per core (cudabuild.engine.workers), except for a build for a device target that
-    $CUDABUILD_JOBS says nothing about: there compile and verify, nearly all of the build's time,
-    take the device one at a time, and more workers only add their imports (tiny_lm on the H200,
-    cold: 160 s with 4 workers against 137 s with one)."""
+    $CUDABUILD_JOBS says nothing about. There compile and verify are nearly all of the build's
+    time, and a first build (no device peaks measured yet) takes the device one stage at a time,
+    so more workers only add their imports (tiny_lm on the H200, cold: 160 s with 4 workers
+    against 137 s with one, when every device stage took the device alone). Later builds may share
+    the device (CUDABUILD_JOBS=2); the default stays one until bench/cuda_target.py's workers2
+    case measures it."""
     try:
         if not os.environ.get(workers.JOBS_ENV, "").strip() and _builds_for_a_device(cli_vars()):
             return 1

@@ -93,3 +93,40 @@ def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tm
     os.utime(stale, (time.time() - 2 * 24 * 3600,) * 2)
     ours.merge(start - 10, now_us())
     assert not stale.exists()
+
+
+WORKER_PROBE = """
+import functools, json, os
+from torch._inductor import async_compile
+from cudabuild.backend import inductor_phases
+from cudabuild.backend.cuda_env import scoped_environ
+
+before = inductor_phases.compile_parallelism()["compile_workers"]
+with scoped_environ({"CUDABUILD_WORKER_PROBE": "from the compile's environment"}):
+    started = inductor_phases.start_compile_workers()
+async_compile.AsyncCompile.wait_pool_ready(timeout=180)
+seen = async_compile.AsyncCompile.process_pool().submit(functools.partial(os.getenv, "CUDABUILD_WORKER_PROBE")).result(timeout=60)
+print(json.dumps({"before": before, "started": started, "after": inductor_phases.compile_parallelism()["compile_workers"],
+                  "worker_sees": seen, "here": os.environ.get("CUDABUILD_WORKER_PROBE")}))
+"""
+
+
+def test_the_compile_workers_start_up_front_with_the_compiles_environment():
+    """The cuda compile starts inductor's worker pool when the stage starts (aot_compile alone
+    would compile its first kernels one by one): after start_compile_workers the pool answers, and
+    its workers carry the variables of the environment they were started in, which this process
+    has put back since."""
+    import subprocess
+    import sys
+
+    from torch._inductor import async_compile
+
+    if async_compile.get_compile_threads() <= 1:
+        import pytest
+
+        pytest.skip("inductor compiles in-process with one compile thread")
+    done = subprocess.run([sys.executable, "-c", WORKER_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"before": "in-process", "started": True, "after": "pool",
+                    "worker_sees": "from the compile's environment", "here": None}, seen

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -61,7 +62,7 @@ def test_stages_run_beside_others_only_when_that_many_of_them_fit_in_memory():
     assert not workers.admission(1, None, "it uses the GPU", None).alone  # one worker: nothing beside it
 
 
-def test_cpu_compiles_that_tune_run_alone_and_device_stages_take_the_device_one_at_a_time():
+def test_cpu_compiles_that_tune_run_alone_and_device_stages_take_the_device_lock():
     compile_row, verify_row = PIPELINE.rows["compile"], PIPELINE.rows["verify"]
 
     def config(target, **specs):
@@ -69,8 +70,8 @@ def test_cpu_compiles_that_tune_run_alone_and_device_stages_take_the_device_one_
 
     assert compile_row.runs_alone(config("cpu", max_autotune="OFF"), "decode") is None
     assert "timing" in compile_row.runs_alone(config("cpu", max_autotune="ON"), "decode")
-    # On cuda, tuning times kernels on the GPU: the device lock keeps other compiles and verifies
-    # off it, while export and edge (host work) go on beside.
+    # On cuda, the device's lock admits compiles and verifies by device memory (below), while
+    # export and edge (host work) go on beside; tuning's timings take the timing lock instead.
     assert compile_row.runs_alone(config("cuda", max_autotune="ON"), "decode") is None
     assert compile_row.device(config("cuda"), "decode") == verify_row.device(config("cuda"), "decode") == "cuda"
     assert compile_row.device(config("cpu"), "decode") is None and verify_row.device(config("cpu"), "decode") is None
@@ -180,3 +181,21 @@ LOADED_CONFIG = textwrap.dedent("""
     import cudabuild.doit_tasks as tasks
     print(tasks.DOIT_CONFIG["num_process"])
 """)
+
+
+def test_stages_share_the_device_once_their_measured_peaks_fit_in_its_free_memory():
+    # A first build measures nothing yet: one device stage at a time.
+    first = workers.device_admission(2, None, 80 * GiB)
+    assert first.alone and "not known" in first.why
+    # Measured at 3 GiB: with the margin and a CUDA context, two fit in 80 GiB, not in 8.
+    assert not workers.device_admission(2, 3 * GiB, 80 * GiB).alone
+    tight = workers.device_admission(2, 3 * GiB, 8 * GiB)
+    assert tight.alone and "would not fit" in tight.why
+    assert workers.device_admission(2, 3 * GiB, None).alone  # no nvidia-smi: nothing is assumed
+    assert not workers.device_admission(1, None, None).alone  # one worker: nothing beside it
+    assert workers.free_device_memory("cpu") is None
+    if shutil.which("nvidia-smi") is None:
+        assert workers.free_device_memory("cuda") is None
+    # The runner's device lock and a compile's timing lock are two files of one cache's locks.
+    locks = workers.device_lock(Path("/c/locks"), "cuda")
+    assert locks.name == "device-cuda" and workers.timing_lock(locks.parent, "cuda").name == "device-cuda.timing"

@@ -170,3 +170,27 @@ def compile_parallelism() -> dict:
     ready = async_compile.AsyncCompile._ready_future
     return {"compile_threads": threads,
             "compile_workers": "pool" if ready is not None and ready.done() else "in-process"}
+
+
+def start_compile_workers() -> bool:
+    """Start inductor's compile-worker pool now, as torch.compile does before it traces
+    (`maybe_warm_pool`); returns whether a pool is starting or up.
+
+    aot_compile starts none: the first Triton kernel asks for the pool, and until its workers
+    answer a probe job, every kernel is compiled one by one in this process. Started when the
+    stage starts, the workers come up while the program loads and inductor lowers it. Call it
+    inside the compile's environment: the workers inherit the variables of the moment they are
+    created (TRITON_PTXAS_PATH, TRITON_CACHE_MANAGER; inductor re-sends only the cache dirs with
+    each job). A pool already up (an earlier compile in this process) is kept as it is. Never
+    fails a compile: where this torch lacks the entry points, nothing starts."""
+    try:
+        from torch._inductor import async_compile
+        from torch.utils._triton import has_triton_package
+
+        if not has_triton_package():
+            return False
+        async_compile.AsyncCompile.warm_pool()
+        async_compile.AsyncCompile.wakeup()
+        return getattr(async_compile.AsyncCompile, "_ready_future", None) is not None
+    except Exception:  # a diagnostic aid: the compile goes on with the in-process path
+        return False

@@ -442,14 +442,18 @@ class Runner:
         estimate = self.memory_estimate(stage, inputs) if not alone_because else None
         admission = workers.admission(self.workers, estimate, alone_because, workers.available_memory())
         locks = self.store.root / "locks"
-        with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or ""), \
+        on_device = workers.device_admission(self.workers, self._last_device_peak(stage),
+                                             workers.free_device_memory(device)) if device else None
+        with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or "",
+                         device_alone=bool(on_device and on_device.alone),
+                         device_why=on_device.why if on_device else ""), \
                 contextlib.ExitStack() as held:
             waited = held.enter_context(workers.admitted(locks / "stages", admission.alone))
             if device:
-                waited += held.enter_context(workers.admitted(locks / f"device-{device}", True))
+                waited += held.enter_context(workers.admitted(workers.device_lock(locks, device), on_device.alone))
             if waited >= 1.0:
                 self.log(f"{stage.id}: waited {waited:.0f}s for its turn "
-                         f"({admission.why}{f'; one stage at a time on {device}' if device else ''})")
+                         f"({admission.why}{f'; on {device}: {on_device.why}' if device else ''})")
             yield
 
     def memory_estimate(self, stage: Stage, inputs: dict) -> Optional[int]:
@@ -483,6 +487,17 @@ class Runner:
             if stamp is not None and stamp.status == "ran" and stamp.peak_rss:
                 return int(stamp.peak_rss)
         return next((int(row["peak_rss"]) for row in self._logged_rows(stage) if row.get("peak_rss")), None)
+
+    def _last_device_peak(self, stage: Stage) -> Optional[int]:
+        """The device bytes the stage allocated at most in its last run (its value's
+        peak_gpu_bytes), else those of the same stage of another method."""
+        siblings = [Stage(stage.kind, m) for m in self.config.methods if stage.method and m != stage.method]
+        for candidate in [stage] + siblings:
+            stamp = self.read_stamp(candidate)
+            peak = (stamp.value or {}).get("peak_gpu_bytes") if stamp is not None and isinstance(stamp.value, dict) else None
+            if peak:
+                return int(peak)
+        return None
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))

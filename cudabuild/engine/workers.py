@@ -12,9 +12,15 @@ on one machine count too): shared when `workers` stages of its size fit in half 
 available now, exclusive otherwise, or when its size is unknown, or when its pipeline row says it
 must run alone (a stage that times kernels on the CPU). Shared holders exclude an exclusive one
 and the other way round, so stages that run side by side were each judged to fit `workers` times
-over. A stage that uses an accelerator (its row's `device`) also holds that device's lock,
-exclusive: one compile or verify on the GPU at a time (its memory, and tuning's timings), while
-host-only stages go on beside it. The memory lock is always taken before the device's.
+over. A stage that uses an accelerator (its row's `device`) also holds that device's lock, by
+the same rule for the device's memory (`device_admission`): shared when `workers` stages of its
+last measured peak fit in the device memory free now, else exclusive (a first build, whose peaks
+are not known yet, puts one such stage on the device at a time). So two compiles share one GPU
+once they are known to fit, and overlap their host-side phases (lowering, codegen, the C++
+compile). What must not overlap is the timing of kernels: a stage that benchmarks on the device
+takes `timing_lock(device)` around each benchmark alone (cudabuild.backend.inductor_phases), so
+no tuning decision is timed beside another's work. The memory lock is always taken before the
+device's, and the timing lock last, inside a stage.
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ INPUT_FACTOR = 1.5
 PROCESS_BYTES = 1 << 30
 # A stage's last measured peak is taken with this margin (the sampler can miss a short spike).
 HISTORY_MARGIN = 1.25
+# A process that uses the GPU holds its CUDA context and its allocator's slack beyond the bytes
+# it allocated (which is what a stage measures as its peak).
+DEVICE_PROCESS_BYTES = 1 << 30
+# Of the device memory free, what stages side by side may plan to use together: no page cache
+# or heap competes there, but the caching allocator reserves beyond its peak.
+DEVICE_USABLE_FRACTION = 0.8
 # Of the memory available, what stages side by side may plan to use together. Half: what a
 # process keeps after its stage (Python's heap, a worker's imports) is not in the estimates, and
 # a checkpoint of a third of the machine's memory is better built one stage at a time (its
@@ -119,3 +131,49 @@ def admitted(lock_file: Path, alone: bool) -> Iterator[float]:
             yield time.monotonic() - start
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def device_admission(workers: int, last_peak: Optional[int], free: Optional[int]) -> Admission:
+    """Whether a stage that uses the device may share it: `last_peak` is the device bytes the
+    stage (or its sibling method) allocated at most in its last run, `free` the device's free
+    bytes now."""
+    if workers <= 1:
+        return Admission(False, "one stage at a time")
+    if last_peak is None:
+        return Admission(True, "its device memory is not known before it runs")
+    if free is None:
+        return Admission(True, "the device does not say how much memory is free")
+    need = int(last_peak * HISTORY_MARGIN) + DEVICE_PROCESS_BYTES
+    if need * workers > free * DEVICE_USABLE_FRACTION:
+        return Admission(True, f"{workers} stages of ~{need / 2**30:.1f} GiB would not fit in "
+                               f"{free / 2**30:.1f} GiB free on the device")
+    return Admission(False, f"~{need / 2**30:.1f} GiB fits {workers} times in {free / 2**30:.1f} GiB free on the device")
+
+
+def free_device_memory(device: str, environ: Optional[dict] = None) -> Optional[int]:
+    """The free bytes of the device a stage for `device` uses (the first of CUDA_VISIBLE_DEVICES),
+    from nvidia-smi, so deciding costs no CUDA context in this process; None where it cannot say."""
+    import shutil
+    import subprocess
+
+    environ = os.environ if environ is None else environ
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    select = ["-i", visible] if visible else ["-i", "0"]
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", *select],
+                              capture_output=True, text=True, timeout=20)
+        return int(done.stdout.split()[0]) << 20 if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def device_lock(locks: Path, device: str) -> Path:
+    return locks / f"device-{device}"
+
+
+def timing_lock(locks: Path, device: str) -> Path:
+    """Held alone around each timing of kernels on `device`, by every stage of every build that
+    shares this cache's locks."""
+    return locks / f"device-{device}.timing"

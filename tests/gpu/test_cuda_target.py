@@ -57,3 +57,27 @@ def test_a_forced_mismatch_on_cuda_is_located_in_the_compiled_code(cuda_build, t
     print(line)  # for the GPU run's log
     assert "the edge program matches eager" in line, line
     assert "the weights blob loads all 25 constants exactly: the fault is in the compiled code" in line, line
+
+
+def test_two_workers_compile_both_methods_on_the_gpu_at_once_once_their_peaks_are_known(cuda_build, tmp_path):
+    """After the first build measured each compile's device memory, a rebuild with two workers
+    that reruns both compiles (a keyed spec changed) admits them to the GPU together: their spans
+    overlap, their admission says they share the device, and both still verify."""
+    import json
+
+    project = cuda_build.copy(tmp_path)
+    assert_ok(project.export("model=tiny_lm", "target=cuda", "compile_wrapper_opt_level=O0",
+                             env=project.env(CUDABUILD_JOBS="2")))
+    statuses = project.statuses("tiny_lm", "cuda")
+    assert statuses["compile.decode"] == statuses["compile.prefill"] == "ran"
+    assert all(v["passed"] for v in project.manifest("tiny_lm", "cuda")["verify"].values())
+    events = json.loads((project.root / "build/tiny_lm/cuda/trace.json").read_text())["traceEvents"]
+    runs = {e["name"]: e for e in events if e.get("cat") == "stage" and e["args"].get("step") == "execute"}
+    decode, prefill = runs["compile.decode"], runs["compile.prefill"]
+    overlap = min(decode["ts"] + decode["dur"], prefill["ts"] + prefill["dur"]) - max(decode["ts"], prefill["ts"])
+    print("compile overlap (s):", overlap / 1e6)  # for the GPU run's log
+    assert overlap > 0.25 * min(decode["dur"], prefill["dur"]), (decode, prefill)
+    admitted = [e for e in events if e["name"] == "admitted" and e["args"].get("device") == "cuda"
+                and any(r["pid"] == e["pid"] and r["ts"] <= e["ts"] + e["dur"] and e["ts"] <= r["ts"] + r["dur"]
+                        for r in (decode, prefill))]
+    assert admitted and not any(e["args"]["device_alone"] for e in admitted), [e["args"] for e in admitted]

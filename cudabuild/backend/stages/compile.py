@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from cudabuild.backend import inductor_phases
+from cudabuild.backend import benchmark_lock, device_peak, inductor_phases
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
 from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.errors import CompileFailed, one_line
@@ -38,6 +38,7 @@ from cudabuild.backend import custom_ops, kernel_cache
 from cudabuild.backend.programs import StoredWeights, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.tiers.redis import inductor_environment
+from cudabuild.engine import workers
 from cudabuild.engine.runner import StageResult
 from cudabuild.backend.toolchain import inductor_root
 from cudabuild.engine.console.trace import phase
@@ -78,7 +79,7 @@ def _inductor_dir_lock(cache_dir: Path):
 
 @contextlib.contextmanager
 def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool,
-                  mapped: Iterable = ()) -> Iterator[tuple[Any, set]]:
+                  mapped: Iterable = (), timing_lock: Path | None = None) -> Iterator[tuple[Any, set]]:
     """Every process-wide change one compile makes, in one list: entered in this order, undone in
     reverse, also on error. Yields the program on the compile's device and the set that collects
     the fallback kernels the compile emits.
@@ -97,7 +98,9 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
     5. With low_memory, lowmem's CPU-clone patches (after the move: see 3).
     6. The timeline spans, innermost, around inductor's own work only; beside them, the release
        of the `mapped` weights' pages as inductor copies them into the weights blob
-       (cudabuild.backend.mapped_weights), which concerns that copy alone.
+       (cudabuild.backend.mapped_weights), which concerns that copy alone; and, with a
+       `timing_lock`, each GPU benchmark held alone against other processes on the device
+       (cudabuild.backend.benchmark_lock), which concerns the timings alone.
     Each patch saves the attribute it replaces and puts it back on exit; undoing them in reverse
     (ExitStack's order) is what keeps that right wherever two of them patch the same object.
     """
@@ -121,6 +124,7 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
             scope.enter_context(lowmem.compile_time_cpu_clones(torch.device(_device_of(target))))
         scope.enter_context(inductor_phases.traced())
         scope.enter_context(mapped_weights.released_after_copy(mapped))
+        scope.enter_context(benchmark_lock.timings_alone(timing_lock))
         yield ep, fallbacks
 
 
@@ -162,26 +166,27 @@ def _compile(ctx) -> StageResult:
     toolchain = ctx.upstream("probe").value
     low_memory = specs.get("low_memory_mode") == "ON"
     device = _device_of(target)
+    cache_dir = inductor_dir_for(ctx.key)
+    environment = compile_environment(target, toolchain, cache_dir, ctx.store.root)
+    if device == "cuda":  # its workers come up while the program loads and lowers
+        with phase("start compile workers", min_seconds=0.05), scoped_environ(environment):
+            inductor_phases.start_compile_workers()
     with phase("setup", min_seconds=0.05):
         release_model()
         mapped = StoredWeights()
         custom_ops.register(ctx.config.target)  # the ops its programs call (importing their kernels)
     with phase("load"):
         ep = load_program(ctx.reader("edge", method), mapped)  # weights mapped from the store, not read
-    cache_dir = inductor_dir_for(ctx.key)
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
     tuning_key, source = _restore_tuning(ctx, cache_dir, toolchain, specs)
 
-    if device == "cuda":
-        # Peak device memory of this method's compile; torch 2.11 refuses to reset the counter
-        # before CUDA is initialised, hence the allocation first.
-        torch.zeros(1, device="cuda")
-        torch.cuda.reset_peak_memory_stats(0)
-    environment = compile_environment(target, toolchain, cache_dir, ctx.store.root)
+    device_peak.start(device)  # this method's compile's peak device memory
     options = with_custom_shims(aoti_options(specs, target, toolchain))
+    # Another compile may share the GPU (cudabuild.engine.workers): kernels are timed one at a time.
+    timing_lock = workers.timing_lock(ctx.store.root / "locks", device) if device == "cuda" else None
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
-                       mapped=mapped.tensors()) as (ep, fallbacks):
+                       mapped=mapped.tensors(), timing_lock=timing_lock) as (ep, fallbacks):
         with phase("AOTInductor") as span:
             kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.store.root)
             try:
@@ -212,8 +217,7 @@ def _compile(ctx) -> StageResult:
     # Downstream depends on the compiled bytes only, not on the tuning timings beside them.
     shas = {name: sha256_file(files[name]) for name in ("model.so", "weights.blob")}
     value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions)}
-    if device == "cuda":
-        value["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(0)
+    value.update(device_peak.peak(device))
     return StageResult(files, digest=digest(shas), value=value, known=shas)
 
 

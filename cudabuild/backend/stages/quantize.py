@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cudabuild import registry
+from cudabuild.backend import device_peak
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.console.trace import phase
@@ -24,9 +25,7 @@ def run(ctx) -> StageResult:
     recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
     device = "cuda" if config.target == "cuda" and recipe.quantize.on_device else "cpu"
     release_model()
-    if device == "cuda":
-        torch.zeros(1, device="cuda")  # torch 2.11 refuses to reset the peak counter before CUDA is up
-        torch.cuda.reset_peak_memory_stats(0)
+    device_peak.start(device)
     try:
         with phase("quantize"):
             written = recipe.quantize.run(dict(config.options), ctx.workdir / "weights", device)
@@ -36,7 +35,7 @@ def run(ctx) -> StageResult:
         raise ExportFailed(f"model {config.model} failed to quantize: {one_line(e)}") from e
     files = {name: Path(path) for name, path in written.items()}
     value = {"files": {name: path.stat().st_size for name, path in sorted(files.items())}, "device": device}
+    value.update(device_peak.peak(device))
     if device == "cuda":
-        value["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(0)
         torch.cuda.empty_cache()
     return StageResult(files, value=value)

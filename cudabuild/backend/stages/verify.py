@@ -15,7 +15,7 @@ import os
 
 from cudabuild.errors import VerifyFailed, one_line
 from cudabuild.backend import aoti_constants, mapped_weights
-from cudabuild.backend import custom_ops, kernel_cache
+from cudabuild.backend import custom_ops, device_peak, kernel_cache
 from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_program
 from cudabuild.backend.stages.export import release_model
@@ -91,6 +91,7 @@ def run(ctx) -> StageResult:
     device = "cuda" if target == "cuda" else "cpu"
     release_model()
     custom_ops.register(ctx.config.target)  # the ops its programs call
+    device_peak.start(device)  # what it holds on the device: the runner's admission reads it
     with phase("load"):
         ep = load_program(ctx.reader("export", method))  # weights mapped from the store
         inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
@@ -135,7 +136,8 @@ def run(ctx) -> StageResult:
             f"method {method}: compiled output {worst.get('index')} differs from eager by {worst.get('max_abs_diff'):.3g} "
             f"(allowed {worst.get('allowed'):.3g}); {where}"
         )
-    summary = {"max_abs_diff": max((o["max_abs_diff"] for o in report["outputs"]), default=0.0), "passed": True}
+    summary = {"max_abs_diff": max((o["max_abs_diff"] for o in report["outputs"]), default=0.0), "passed": True,
+               **device_peak.peak(device)}
     return StageResult({"verify.json": path}, value=summary)
 
 
@@ -180,7 +182,7 @@ def _verify_sampling_method(ctx, ep, device: str, sampler: dict) -> StageResult:
         raise VerifyFailed(f"method {method}: {what}")
     worst = max([s["logit_gap"] for s in report["steps"]] + [s["max_abs_diff"] for s in report["states"]], default=0.0)
     summary = {"max_abs_diff": worst, "passed": True, "steps": len(report["steps"]),
-               "states_compared": report["states_compared"]}
+               "states_compared": report["states_compared"], **device_peak.peak(device)}
     return StageResult({"verify.json": path}, value=summary)
 
 
