@@ -481,8 +481,7 @@ class Runner:
         another method (the methods of one model hold the same weights: in a first build, the
         method exported first sizes the next), else the newest logged build of this model and
         target that ran it."""
-        siblings = [Stage(stage.kind, m) for m in self.config.methods if stage.method and m != stage.method]
-        for candidate in [stage] + siblings:
+        for candidate in self._and_siblings(stage):
             stamp = self.read_stamp(candidate)
             if stamp is not None and stamp.status == "ran" and stamp.peak_rss:
                 return int(stamp.peak_rss)
@@ -491,13 +490,16 @@ class Runner:
     def _last_device_peak(self, stage: Stage) -> Optional[int]:
         """The device bytes the stage allocated at most in its last run (its value's
         peak_gpu_bytes), else those of the same stage of another method."""
-        siblings = [Stage(stage.kind, m) for m in self.config.methods if stage.method and m != stage.method]
-        for candidate in [stage] + siblings:
+        for candidate in self._and_siblings(stage):
             stamp = self.read_stamp(candidate)
-            peak = (stamp.value or {}).get("peak_gpu_bytes") if stamp is not None and isinstance(stamp.value, dict) else None
+            peak = stamp.value.get("peak_gpu_bytes") if stamp is not None and isinstance(stamp.value, dict) else None
             if peak:
                 return int(peak)
         return None
+
+    def _and_siblings(self, stage: Stage) -> list[Stage]:
+        """The stage, then the same stage of the model's other methods (which hold the same weights)."""
+        return [stage] + [Stage(stage.kind, m) for m in self.config.methods if stage.method and m != stage.method]
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
