@@ -18,7 +18,7 @@ last measured peak fit in the device memory free now, else exclusive (a first bu
 are not known yet, puts one such stage on the device at a time). So two compiles share one GPU
 once they are known to fit, and overlap their host-side phases (lowering, codegen, the C++
 compile). What must not overlap is the timing of kernels: a stage that benchmarks on the device
-takes `timing_lock(device)` around each benchmark alone (cudabuild.backend.inductor_phases), so
+takes `timing_lock(device)` around each benchmark alone (cudabuild.backend.benchmark_lock), so
 no tuning decision is timed beside another's work. The memory lock is always taken before the
 device's, and the timing lock last, inside a stage.
 """
