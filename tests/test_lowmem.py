@@ -226,3 +226,34 @@ def test_low_memory_compile_matches_eager(device, tmp_path):
         (out,) = runner.run([x, p])
         torch.testing.assert_close(out, eager(x, p), rtol=1e-5, atol=1e-5)
     release_device_tensors(ep)
+
+
+def test_a_program_that_calls_triton_kernels_keeps_its_kv_caches_under_low_memory_mode():
+    """Freeing the caches crashed ExecuTorch's Qwen3.5-MoE compile on the H200; such a program keeps them."""
+    import torch
+    from cudabuild.backend.lowmem import calls_triton_kernels, move_program_to_device
+
+    @torch.library.custom_op("triton::cudabuild_lowmem_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    @probe.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Cached(torch.nn.Module):
+        def __init__(self, triton: bool):
+            super().__init__()
+            self.triton = triton
+            self.register_buffer("kv_cache", torch.zeros(4, 4))
+
+        def forward(self, x):
+            y = torch.ops.triton.cudabuild_lowmem_probe(x) if self.triton else x + 1
+            return y + self.kv_cache
+
+    x = torch.ones(4, 4)
+    for triton in (False, True):
+        ep = torch.export.export(Cached(triton), (x,))
+        assert calls_triton_kernels(ep) is triton
+        moved = move_program_to_device(ep, "cpu", low_memory=True)
+        assert (moved.state_dict["kv_cache"].untyped_storage().nbytes() > 0) is triton

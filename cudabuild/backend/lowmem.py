@@ -110,6 +110,28 @@ def _point_graph_at_device(gm: torch.fx.GraphModule, device: torch.device) -> No
             node.meta["val"] = pytree.tree_map(retarget, node.meta.get("val"))
 
 
+def calls_triton_kernels(ep: ExportedProgram) -> bool:
+    """True when `ep` calls user Triton kernels (ExecuTorch's `torch.ops.triton.*`, or a wrapped kernel).
+
+    Such a program keeps its KV caches resident under low_memory_mode: measured on the H200
+    (torch 2.11, ExecuTorch's Qwen3.5-MoE at `size=35b-a3b layers=4`, whose fourth layer is full
+    attention), freeing them made the AOTI compile fail with an illegal memory access, as the
+    stock exporter with ON does; with them resident ON built both methods. The caches are a few
+    MiB a layer at max_seq_len 4096; the mutated-buffer clones on the CPU are the saving that stays.
+    """
+    for module in ep.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if getattr(node.target, "namespace", None) == "triton":
+                return True
+            if "triton_kernel_wrapper" in getattr(node.target, "__name__", ""):
+                return True
+    return False
+
+
 def move_program_to_device(
     ep: ExportedProgram, device: Device, *, low_memory: bool
 ) -> ExportedProgram:
@@ -117,7 +139,8 @@ def move_program_to_device(
 
     Without `low_memory` this is `torch.export.passes.move_to_device_pass`. With it, the moves are
     the same except that KV-cache content (`is_kv_cache_buffer`) is placed on `device` with its
-    storage freed, one tensor at a time: device checks on the cache updates still pass, and the
+    storage freed, one tensor at a time (unless the program calls Triton kernels,
+    `calls_triton_kernels`): device checks on the cache updates still pass, and the
     caches occupy no memory until `compile_time_cpu_clones` re-creates them as zeros. The
     program's original tensors are not modified (the eager model keeps its buffers).
     """
@@ -126,18 +149,19 @@ def move_program_to_device(
         from torch.export.passes import move_to_device_pass
 
         return move_to_device_pass(ep, device)
+    free_caches = not calls_triton_kernels(ep)
 
     for fqn, value in ep.state_dict.items():
         if isinstance(value, torch.nn.Parameter):
             ep._state_dict[fqn] = torch.nn.Parameter(value.to(device), value.requires_grad)
-        elif is_kv_cache_buffer(fqn, value):
+        elif free_caches and is_kv_cache_buffer(fqn, value):
             ep._state_dict[fqn] = _emptied_like(value, device)
         else:
             ep._state_dict[fqn] = value.to(device)
     for fqn, value in ep.constants.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if is_kv_cache_buffer(fqn, value):
+        if free_caches and is_kv_cache_buffer(fqn, value):
             ep._constants[fqn] = _emptied_like(value, device)
         else:
             ep._constants[fqn] = value.to(device)

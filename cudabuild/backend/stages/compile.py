@@ -24,6 +24,8 @@ import fcntl
 import json
 import os
 import shutil
+import sys
+import traceback
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -192,6 +194,8 @@ def _compile(ctx) -> StageResult:
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
             except Exception as e:
+                # The one line names the failure; the stage's log keeps where inductor raised it.
+                traceback.print_exc(file=sys.stderr)
                 raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
             span.update(inductor_phases.since(kernels_before), **inductor_phases.compile_parallelism(),
                         triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before))
