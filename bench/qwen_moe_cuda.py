@@ -405,8 +405,9 @@ def memory_case(bench: Bench, args) -> dict:
                 continue
             entry = bench.build(f"mem{n}-{mode}", project, cache, *settings, f"low_memory_mode={mode}",
                                 tasks=("export:compile.decode", "export:compile.prefill"))
+            # After a failure the stamps are the previous mode's: its peaks are not this row's.
             peaks = {stage: (s.get("value") or {}).get("peak_gpu_bytes") for stage, s in entry["stages"].items()
-                     if stage.startswith(("compile", "quantize"))}
+                     if stage.startswith(("compile", "quantize"))} if entry["rc"] == 0 else {"failed": True}
             rows[f"{n}/{mode}"] = {"rc": entry["rc"], "seconds": entry["seconds"], "peaks": peaks,
                                    "stages": entry["stages"], "stderr_tail": entry["stderr_tail"]}
             table.append({"layers": n, "low_memory_mode": mode, **{k: v for k, v in peaks.items()}})
