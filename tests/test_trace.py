@@ -68,6 +68,29 @@ def test_a_compiles_time_is_named_by_inductors_phases(built_tiny):
         assert aoti["args"]["compile_workers"] in ("pool", "in-process")
 
 
+def test_the_c_compile_names_the_programs_it_runs(built_tiny):
+    """What the C++ compile spends in external programs (the compiler here; nvcc, ld and objcopy
+    too on cuda) is a `tool <program>` span inside its `C++ compile` span."""
+    events = spans(built_tiny)
+    for method in ("decode", "prefill"):
+        stage, = (e for e in events if e["name"] == f"compile.{method}" and e["args"].get("step") == "execute")
+        mine = [e for e in events if e["pid"] == stage["pid"] and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"]]
+        compilers = [e for e in mine if e["cat"] == "tool"
+                     and e["name"] in {"tool g++", "tool c++", "tool gcc", "tool g++-real", "tool clang++"}]
+        cpp, = (e for e in mine if e["name"] == "C++ compile")
+        within = [t for t in compilers if cpp["ts"] <= t["ts"] and t["ts"] + t["dur"] <= cpp["ts"] + cpp["dur"] + 1]
+        # The wrapper's and the kernels' compiles are most of it (the rest: writing sources, linking's setup).
+        assert within and sum(t["dur"] for t in within) >= 0.5 * cpp["dur"], (method, compilers, cpp)
+
+
+def test_a_tool_is_named_by_its_program():
+    from cudabuild.backend.inductor_phases import tool_name
+
+    assert tool_name(["/usr/local/cuda/bin/nvcc", "-fatbin", "k.ptx"]) == "nvcc"
+    assert tool_name("objcopy --rename-section .data=.nv_fatbin k.o") == "objcopy"
+    assert tool_name([b"/usr/bin/ld", b"-r"]) == "ld"
+
+
 def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tmp_path):
     build_dir = tmp_path / "build" / "m" / "cpu"
     ours, other = Recorder(build_dir, "run-a"), Recorder(build_dir, "run-b")

@@ -12,17 +12,27 @@ selected by benchmark).
 The compile's Triton kernels are counted too (`kernel_counts`, `since`): compiled, and found in Triton's
 cache. Where this torch lacks one of these entry points, that part is just not shown: the timeline
 is a diagnostic and must never fail a compile. Backend half.
+
+Inside the C++ compile, inductor runs other tools it does not time one by one (on some torch
+versions: `nvcc -fatbin` for each kernel, `ld` and `objcopy` to embed each cubin). Every external
+command the stage's process runs through `subprocess` becomes a `tool <name>` span, so that part of
+the C++ compile is named by the program that took it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shlex
+import subprocess
 from typing import Iterator
 
 from cudabuild.engine.console.trace import phase, recording
 
 MIN_SECONDS = 0.005
+# An external tool's run is kept however short: a hundred 3 ms `objcopy` runs are 0.3 s.
+TOOL_MIN_SECONDS = 0.0
 
 # Inductor's event names -> the span's name in trace.json.
 PHASES = {
@@ -115,6 +125,46 @@ def since(before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in kernel_counts().items()}
 
 
+def tool_name(args) -> str:
+    """The program a subprocess call runs: `nvcc` for ["/usr/local/cuda/bin/nvcc", ...] and for
+    "nvcc -fatbin ..." (a shell string)."""
+    with contextlib.suppress(Exception):
+        if isinstance(args, (str, bytes)):
+            args = shlex.split(os.fsdecode(args))
+        first = os.fsdecode(list(args)[0])
+        return os.path.basename(first) or first
+    return "?"
+
+
+@contextlib.contextmanager
+def _tool_spans() -> Iterator[None]:
+    """Each `subprocess.run` / `subprocess.call` of this process, while the block runs, as a span
+    named after its program (check_output and check_call go through these two)."""
+    recorder = recording()
+    if recorder is None:
+        yield
+        return
+    originals = {name: getattr(subprocess, name) for name in ("run", "call")}
+
+    def timed(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            command = args[0] if args else kwargs.get("args")
+            # The recorder itself, not the context's: inductor runs some tools from a thread pool.
+            with recorder.span(f"tool {tool_name(command)}", category="tool", min_seconds=TOOL_MIN_SECONDS):
+                return original(*args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(subprocess, name, timed(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(subprocess, name, original)
+
+
 @contextlib.contextmanager
 def traced() -> Iterator[None]:
     """Within the block, inductor's phases appear as spans of the running stage."""
@@ -126,7 +176,7 @@ def traced() -> Iterator[None]:
         originals.append((owner, name, raw))
         setattr(owner, name, _timed(function, span, is_classmethod))
     try:
-        with _inductor_events():
+        with _inductor_events(), _tool_spans():
             yield
     finally:
         for owner, name, raw in reversed(originals):
