@@ -120,15 +120,15 @@ def recover_doit_db(argv: list[str] | None = None) -> None:
 
 def _default_workers() -> int:
     """One worker per core (cudabuild.engine.workers), except for a build for a device target that
-    $CUDABUILD_JOBS says nothing about. There compile and verify are nearly all of the build's
-    time, and a first build (no device peaks measured yet) takes the device one stage at a time,
-    so more workers only add their imports (tiny_lm on the H200, cold: 160 s with 4 workers
-    against 137 s with one, when every device stage took the device alone). Later builds may share
-    the device (CUDABUILD_JOBS=2); the default stays one until bench/cuda_target.py's workers2
-    case measures it."""
+    $CUDABUILD_JOBS says nothing about: two there, one per method. Compile and verify are nearly
+    all of such a build's time and each mostly keeps the host busy (lowering, codegen, the C++
+    compile), so the two methods' compiles overlap on one GPU. Measured on the H200 (tiny_lm, a
+    spec change, bench/cuda_target.py's workers2): two workers took 0.87x one worker's time, with
+    61 s of the two compiles overlapping; four workers took 1.17x one's (160 s against 137 s cold),
+    their imports and compile pools competing for the cores."""
     try:
         if not os.environ.get(workers.JOBS_ENV, "").strip() and _builds_for_a_device(cli_vars()):
-            return 1
+            return min(2, workers.default_workers())
         return workers.default_workers()
     except CudabuildError as e:
         fail_fast(e)

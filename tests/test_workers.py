@@ -161,14 +161,14 @@ def test_a_build_run_by_two_workers_is_the_build_one_worker_makes(tiny_copy, tmp
     assert {name: (tiny_copy.build_dir / name).read_bytes() for name in outputs} == outputs
 
 
-def test_a_build_for_a_device_defaults_to_one_worker_and_a_cpu_build_to_one_per_core(project):
+def test_a_build_for_a_device_defaults_to_two_workers_and_a_cpu_build_to_one_per_core(project):
     from cudabuild.doit_tasks import _builds_for_a_device
 
     assert _builds_for_a_device({"target": "cuda"}) and not _builds_for_a_device({"target": "cpu"})
     assert not _builds_for_a_device({"target": "tpu"})  # left to the build's own one-line error
     # What doit is handed: DOIT_CONFIG's worker processes once doit has loaded dodo.py with the
     # command line's target (0 is doit's in-process runner).
-    for target, expected in (("cuda", 0), ("cpu", workers.default_workers({}))):
+    for target, expected in (("cuda", min(2, workers.default_workers({}))), ("cpu", workers.default_workers({}))):
         result = project.run("-c", LOADED_CONFIG, "list", "model=tiny_lm", f"target={target}", CUDABUILD_JOBS="")
         processes = int(result.stdout.strip().splitlines()[-1])
         assert processes == (expected if expected > 1 else 0), (target, result.stdout)
@@ -184,9 +184,17 @@ LOADED_CONFIG = textwrap.dedent("""
 
 
 def test_stages_share_the_device_once_their_measured_peaks_fit_in_its_free_memory():
-    # A first build measures nothing yet: one device stage at a time.
+    # A stage with neither a measured peak nor inputs to size it by: one device stage at a time.
     first = workers.device_admission(2, None, 80 * GiB)
     assert first.alone and "not known" in first.why
+    # A first build's stage is sized from its inputs: 3x their bytes and 2 GiB. tiny_lm's few MiB
+    # share an H200; 6 GiB of weights (two stages of 20 GiB) do not fit in 24 GiB free.
+    assert not workers.device_admission(2, None, 130 * GiB, from_inputs=4 << 20).alone
+    big = workers.device_admission(2, None, 24 * GiB, from_inputs=6 * GiB)
+    assert big.alone and "20.0 GiB" in big.why
+    # A measured peak wins over the estimate, both ways.
+    assert not workers.device_admission(2, 3 * GiB, 24 * GiB, from_inputs=6 * GiB).alone
+    assert workers.device_admission(2, 30 * GiB, 80 * GiB, from_inputs=4 << 20).alone
     # Measured at 3 GiB: with the margin and a CUDA context, two fit in 80 GiB, not in 8.
     assert not workers.device_admission(2, 3 * GiB, 80 * GiB).alone
     tight = workers.device_admission(2, 3 * GiB, 8 * GiB)

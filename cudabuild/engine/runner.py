@@ -443,7 +443,8 @@ class Runner:
         admission = workers.admission(self.workers, estimate, alone_because, workers.available_memory())
         locks = self.store.root / "locks"
         on_device = workers.device_admission(self.workers, self._last_device_peak(stage),
-                                             workers.free_device_memory(device)) if device else None
+                                             workers.free_device_memory(device),
+                                             from_inputs=self._upstream_bytes(stage)) if device else None
         with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or "",
                          device_alone=bool(on_device and on_device.alone),
                          device_why=on_device.why if on_device else ""), \
@@ -461,13 +462,7 @@ class Runner:
         its inputs' bytes (upstream outputs, and the checkpoint when the stage is keyed on it) scaled
         by workers.INPUT_FACTOR (upstream outputs only where its row says memory_from_upstream), and
         the peak its last run measured."""
-        shas = set()
-        if self.pipeline.row(stage).memory_from_upstream:
-            for upstream in self.pipeline.dependencies(stage, self.config):
-                stamp = self.read_stamp(upstream)
-                if stamp is not None:
-                    shas.update(stamp.outputs.values())
-        read = self.store.blob_bytes(shas)
+        read = self._upstream_bytes(stage) if self.pipeline.row(stage).memory_from_upstream else 0
         if inputs.get("checkpoint") and self.config.checkpoint:
             read += sum(f.stat().st_size for f in self.config.checkpoint.rglob("*") if f.is_file())
         from_inputs = int(read * workers.INPUT_FACTOR) + workers.PROCESS_BYTES if read else None
@@ -475,6 +470,15 @@ class Runner:
         from_history = int(last * workers.HISTORY_MARGIN) if last else None
         known = [b for b in (from_inputs, from_history) if b is not None]
         return max(known) if known else None
+
+    def _upstream_bytes(self, stage: Stage) -> int:
+        """The bytes of what the stages it depends on handed it (the program and its weights)."""
+        shas = set()
+        for upstream in self.pipeline.dependencies(stage, self.config):
+            stamp = self.read_stamp(upstream)
+            if stamp is not None:
+                shas.update(stamp.outputs.values())
+        return self.store.blob_bytes(shas)
 
     def _last_peak(self, stage: Stage) -> Optional[int]:
         """The resident peak of the stage's last run: its stamp's, else that of the same stage of

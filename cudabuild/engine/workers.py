@@ -14,8 +14,8 @@ must run alone (a stage that times kernels on the CPU). Shared holders exclude a
 and the other way round, so stages that run side by side were each judged to fit `workers` times
 over. A stage that uses an accelerator (its row's `device`) also holds that device's lock, by
 the same rule for the device's memory (`device_admission`): shared when `workers` stages of its
-last measured peak fit in the device memory free now, else exclusive (a first build, whose peaks
-are not known yet, puts one such stage on the device at a time). So two compiles share one GPU
+last measured peak (in a first build, an estimate from its inputs' bytes) fit in the device memory
+free now, else exclusive. So two compiles share one GPU
 once they are known to fit, and overlap their host-side phases (lowering, codegen, the C++
 compile). What must not overlap is the timing of kernels: a stage that benchmarks on the device
 takes `timing_lock(device)` around each benchmark alone (cudabuild.backend.benchmark_lock), so
@@ -46,6 +46,13 @@ HISTORY_MARGIN = 1.25
 # A process that uses the GPU holds its CUDA context and its allocator's slack beyond the bytes
 # it allocated (which is what a stage measures as its peak).
 DEVICE_PROCESS_BYTES = 1 << 30
+# A device stage with no measured peak (a first build) is sized from its inputs: the program and
+# weights its upstream stages handed it. Measured on the H200 (ExecuTorch's Qwen3.5-MoE, int4,
+# 35b-a3b shapes at 4 layers, 3.2 GB of weights): compile peaks of 1.6x (decode) and 2.1x (prefill)
+# those bytes. 3x leaves room for verify, which holds the eager model and the compiled weights,
+# and DEVICE_FIRST_RUN_BYTES for a CUDA context, its workspace and autotuning's scratch buffers.
+DEVICE_INPUT_FACTOR = 3.0
+DEVICE_FIRST_RUN_BYTES = 2 << 30
 # Of the device memory free, what stages side by side may plan to use together: no page cache
 # or heap competes there, but the caching allocator reserves beyond its peak.
 DEVICE_USABLE_FRACTION = 0.8
@@ -133,21 +140,26 @@ def admitted(lock_file: Path, alone: bool) -> Iterator[float]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def device_admission(workers: int, last_peak: Optional[int], free: Optional[int]) -> Admission:
+def device_admission(workers: int, last_peak: Optional[int], free: Optional[int],
+                     from_inputs: Optional[int] = None) -> Admission:
     """Whether a stage that uses the device may share it: `last_peak` is the device bytes the
     stage (or its sibling method) allocated at most in its last run, `free` the device's free
-    bytes now."""
+    bytes now, `from_inputs` the bytes its upstream stages handed it (which size a first build's
+    stage, DEVICE_INPUT_FACTOR times over, where no peak is measured yet)."""
     if workers <= 1:
         return Admission(False, "one stage at a time")
-    if last_peak is None:
+    if last_peak is None and not from_inputs:
         return Admission(True, "its device memory is not known before it runs")
     if free is None:
         return Admission(True, "the device does not say how much memory is free")
-    need = int(last_peak * HISTORY_MARGIN) + DEVICE_PROCESS_BYTES
+    if last_peak is not None:
+        need, basis = int(last_peak * HISTORY_MARGIN) + DEVICE_PROCESS_BYTES, ""
+    else:
+        need, basis = int(from_inputs * DEVICE_INPUT_FACTOR) + DEVICE_FIRST_RUN_BYTES, " (estimated from its inputs)"
     if need * workers > free * DEVICE_USABLE_FRACTION:
-        return Admission(True, f"{workers} stages of ~{need / 2**30:.1f} GiB would not fit in "
+        return Admission(True, f"{workers} stages of ~{need / 2**30:.1f} GiB{basis} would not fit in "
                                f"{free / 2**30:.1f} GiB free on the device")
-    return Admission(False, f"~{need / 2**30:.1f} GiB fits {workers} times in {free / 2**30:.1f} GiB free on the device")
+    return Admission(False, f"~{need / 2**30:.1f} GiB{basis} fits {workers} times in {free / 2**30:.1f} GiB free on the device")
 
 
 def free_device_memory(device: str, environ: Optional[dict] = None) -> Optional[int]:
