@@ -4,8 +4,10 @@
     python bench/cuda_target.py --target cpu --cases cold,noop,replay,method,cold2,warm,pinned,stock,stockwarm   # on a CPU
 
 Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
-  cold        empty cache, the recipe's specs; then bench/package_identity.py: are the stand-in
-              package's bytes those of lowering the exported programs?
+  cold        empty cache, the recipe's specs, the default workers (two on cuda); then
+              bench/package_identity.py: are the stand-in package's bytes those of lowering the
+              exported programs?
+  cold1       the same build with one worker (CUDABUILD_JOBS=1), in a fresh cache dir
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked
@@ -47,7 +49,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
+ESTIMATE = {"cold": 130, "cold1": 140, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 
@@ -72,12 +74,17 @@ def compile_spans(trace: Path) -> dict:
             inside = [e for e in events if e.get("pid") == stage["pid"] and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"]]
             phases: dict[str, float] = {}
             for e in inside:
-                if e.get("cat") == "inductor" and e["name"] not in ENCLOSING:
+                if e.get("cat") in ("inductor", "tool") and e["name"] not in ENCLOSING:
                     phases[e["name"]] = round(phases.get(e["name"], 0.0) + e["dur"] / 1e6, 2)
+            tools: dict[str, list] = {}  # program -> [runs, seconds]: what the C++ compile spent outside the compiler's own timer
+            for e in inside:
+                if e.get("cat") == "tool":
+                    runs = tools.setdefault(e["name"].removeprefix("tool "), [0, 0.0])
+                    runs[0], runs[1] = runs[0] + 1, round(runs[1] + e["dur"] / 1e6, 2)
             aoti = next((e["args"] for e in inside if e["name"] == "AOTInductor"), {})
             found[stage["name"]] = {"seconds": round(stage["dur"] / 1e6, 1), "named": round(named_share(events, stage), 3),
                                     "kernels": {k: v for k, v in aoti.items() if k.startswith("triton")},
-                                    "top": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8])}
+                                    "top": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:8]), "tools": tools}
     return found
 
 
@@ -164,7 +171,9 @@ def main() -> None:
             print(f"{case:<8} skipped (budget)", flush=True)
             continue
         if case == "cold":
-            if run(case, main_project, doit, cache)["rc"] == 0:
+            entry = run(case, main_project, doit, cache)
+            entry["compile_overlap_seconds"] = compile_overlap(out / f"{case}-trace.json")
+            if entry["rc"] == 0:
                 if "workers2" in args.cases.split(","):  # the state replay starts from, for workers2
                     shutil.copytree(main_project, work / "workers2", symlinks=True)
                     shutil.copytree(cache, work / "cache-workers2", symlinks=True)
@@ -172,6 +181,9 @@ def main() -> None:
                 check = run("package_identity", main_project, [sys.executable, "bench/package_identity.py", args.model, args.target], cache)
                 lines = (out / "package_identity.log").read_text().split("\n--- stderr ---")[0].strip().splitlines()
                 results["package_identity"] = json.loads(lines[-1]) if check["rc"] in (0, 1) and lines else None
+        elif case == "cold1":
+            entry = run(case, project(case), doit, work / "cache-cold1", {"CUDABUILD_JOBS": "1"})
+            entry["compile_overlap_seconds"] = compile_overlap(out / f"{case}-trace.json")
         elif case == "noop":
             run(case, main_project, doit, cache)
         elif case == "replay":
@@ -220,7 +232,7 @@ def main() -> None:
         results["identical_bytes_pinned_warm_kernels"] = cases["pinned-cold"]["outputs"] == cases["pinned-warm"]["outputs"]
     if cases.get("cold", {}).get("rc") == 0:
         results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
-                              for case in ("replay", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
+                              for case in ("cold1", "replay", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
     if cases.get("workers2", {}).get("rc") == 0 and cases.get("replay", {}).get("rc") == 0:
         results["two_workers"] = {"workers2/replay": round(cases["workers2"]["seconds"] / cases["replay"]["seconds"], 3),
                                   "compile_overlap_seconds": cases["workers2"].get("compile_overlap_seconds")}
@@ -240,6 +252,8 @@ def main() -> None:
             "cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"],
             "stock/noop": cases["stock"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9),
         }
+        if "seconds" in cases.get("cold1", {}):
+            results["ratios"]["cold1/stock"] = cases["cold1"]["seconds"] / cases["stock"]["seconds"]
         if "seconds" in cases.get("stockwarm", {}):
             results["ratios"]["stockwarm/noop"] = cases["stockwarm"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9)
         for case in ("replay", "method"):
