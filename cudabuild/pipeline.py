@@ -1,11 +1,14 @@
 """The CUDA lowering pipeline as data: the table of stage kinds the engine builds.
 
-    probe ─┬─> [quantize] ─> export[m] ─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
-           │                                                    └─> verify[m]
+    probe ─┬─> [quantize] ─> export[m] ─┬─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
+           │                            │                          └─> verify[m]
+           │                            └─> [reference[m]] ────────────────┘
            └────────────────────────(toolchain)─────────────────┘
 
 `quantize` is in a build only when the recipe's form for the target declares one (ExecuTorch's
-Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports.
+Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports. `reference` (the
+method's eager results, which verify compares with) is a stage of its own on a device target,
+where it is costly and would otherwise wait for the compile it does not depend on.
 
 The two methods' chains run side by side under `doit -n N` (the default: one per core); a row's
 `runs_alone` says when a stage must have the machine to itself, and `device` which accelerator it
@@ -110,6 +113,17 @@ def _package(ctx: KeyContext) -> dict:
                         "alloc_graph_input", "emit_mutable_buffer_names")}
 
 
+def _reference(ctx: KeyContext) -> dict:
+    # The eager run calls the program's Triton ops (ExecuTorch's, flash-linear-attention's).
+    sampler = (ctx.config.description.get("samplers") or {}).get(ctx.method)
+    return {"toolchain": _toolchain(ctx, "torch", "executorch", "triton"), **({"sampler": sampler} if sampler else {})}
+
+
+def _reference_apart(config) -> bool:
+    """A device target runs the eager reference as a stage of its own (cudabuild.backend.stages.reference)."""
+    return config.target != "cpu"
+
+
 def _verify(ctx: KeyContext) -> dict:
     sampler = (ctx.config.description.get("samplers") or {}).get(ctx.method)
     return {"tolerances": dict(ctx.config.description.get("tolerances", {})), "toolchain": _toolchain(ctx, "torch"),
@@ -144,9 +158,13 @@ PIPELINE = Pipeline(
         StageKind("package", version=3, per_method=False, module=STAGES + "package",
                   consumes=("probe", "export[*]", "compile[*]"), results={"graph": "export[*]", "compiled": "compile[*]"},
                   params=_package, final_outputs=True),
+        # After compile and package in the table, so that a free worker takes it only once nothing
+        # on the way to the package is waiting: it is off that chain.
+        StageKind("reference", version=1, per_method=True, module=STAGES + "reference", consumes=("probe", "export[m]"),
+                  results={"graph": "export[m]"}, params=_reference, applies=_reference_apart, device=_accelerator),
         StageKind("verify", version=2, per_method=True, module=STAGES + "verify",
-                  consumes=("probe", "export[m]", "edge[m]", "compile[m]", "package"),
-                  results={"graph": "export[m]", "compiled": "compile[m]"}, params=_verify,
+                  consumes=("probe", "export[m]", "edge[m]", "compile[m]", "package", "reference[m]"),
+                  results={"graph": "export[m]", "compiled": "compile[m]", "reference": "reference[m]"}, params=_verify,
                   device=_accelerator),
     ],
     fingerprint=toolchain.cheap_fingerprint,

@@ -107,11 +107,12 @@ def test_resources_come_from_the_pipeline_table_and_the_command_line(built_tiny,
     proj = built_tiny.copy(tmp_path)
     store = Store(proj.cache)
     cpu = load_config(proj.root, {"model": "tiny_lm", "target": "cpu"}, store)
-    # The table's rule on cuda (compile and verify, and the probe, ask the device), without a GPU:
+    # The table's rule on cuda (compile, reference and verify, and the probe, ask the device), without a GPU:
     cuda = dataclasses.replace(cpu, target="cuda")
     on_cuda, on_cpu = Runner(cuda, store, "r"), Runner(cpu, store, "r")
     asked = {s.id: on_cuda.resources(s, {"stage": s.kind}) for s in cpu.pipeline.plan(cuda)}
     assert {s for s, r in asked.items() if r.get("GPU") == 1} == {"probe", "compile.decode", "compile.prefill",
+                                                                   "reference.decode", "reference.prefill",
                                                                    "verify.decode", "verify.prefill"}
     # On cpu nothing asks a GPU; memory is the admission's estimate (here: the last run's peak).
     compile_decode = Stage("compile", "decode")

@@ -34,6 +34,31 @@ def test_the_plan_and_dependencies_follow_the_table():
     assert [PIPELINE.final_outputs(s) for s in (Stage("compile", "decode"), Stage("package"))] == [False, True]
 
 
+def test_on_a_device_the_eager_reference_is_a_stage_beside_edge_and_compile():
+    cuda = SimpleNamespace(**dict(vars(CONFIG), target="cuda"))
+    plan = [s.id for s in PIPELINE.plan(cuda)]
+    # After the compiles and the package in the plan (a free worker takes it once nothing on the
+    # way to the package waits), and before the verifies that read it.
+    assert plan[plan.index("compile.prefill") + 1:plan.index("verify.decode")] == [
+        "package", "reference.decode", "reference.prefill"]
+    deps = lambda stage, config: [d.id for d in PIPELINE.dependencies(stage, config)]
+    assert deps(Stage("reference", "decode"), cuda) == ["probe", "export.decode"]
+    assert deps(Stage("verify", "decode"), cuda)[-1] == "reference.decode"
+    # Its key is the export's result: an edge or compile change leaves it as it was, and verify
+    # keys on what it computed.
+    results = {"probe": Result("p", {"torch": "2.11"}), "export.decode": Result("e1"), "edge.decode": Result("g1"),
+               "compile.decode": Result("c1"), "reference.decode": Result("r1")}
+    key = lambda stage, res: digest(PIPELINE.inputs(stage, cuda, _read(res), lambda: {}, lambda: None))
+    recompiled = dict(results, **{"edge.decode": Result("g2"), "compile.decode": Result("c2")})
+    assert key(Stage("reference", "decode"), recompiled) == key(Stage("reference", "decode"), results)
+    assert key(Stage("reference", "decode"), dict(results, **{"export.decode": Result("e2")})) != key(
+        Stage("reference", "decode"), results)
+    verify_in = PIPELINE.inputs(Stage("verify", "decode"), cuda, _read(results), lambda: {}, lambda: None)
+    assert PIPELINE.upstream_of(("reference",), verify_in) == "reference.decode"
+    # On the CPU the reference is verify's own first step: no such stage, and verify's key as it was.
+    assert "reference" not in PIPELINE.inputs(Stage("verify", "decode"), CONFIG, _read(results), lambda: {}, lambda: None)
+
+
 def test_upstream_digests_enter_the_key_and_are_named_back():
     results = {"probe": Result("p", {"torch": "2.13"}), "export.decode": Result("e1"), "export.prefill": Result("e2"),
                "edge.decode": Result("g1"), "compile.decode": Result("c1"), "compile.prefill": Result("c2")}

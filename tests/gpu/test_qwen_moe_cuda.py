@@ -64,7 +64,7 @@ def _bundle_model(project):
 
 def test_the_build_verifies_logits_and_state_of_both_methods(built):
     manifest = built.manifest("qwen_moe", "cuda")
-    assert {s["stage"] for s in manifest["stages"]} >= {"quantize", "export", "edge", "compile", "package", "verify"}
+    assert {s["stage"] for s in manifest["stages"]} >= {"quantize", "export", "edge", "compile", "package", "reference", "verify"}
     for method in ("decode", "prefill"):
         report = manifest["verify"][method]
         assert report["passed"] and report["steps"] >= 2, report
@@ -79,6 +79,8 @@ def test_a_spec_change_does_not_quantize_again(built):
     statuses = built.statuses("qwen_moe", "cuda")
     assert statuses["quantize"] == statuses["export.decode"] == statuses["edge.decode"] == "cached"
     assert statuses["compile.decode"] == "ran" and statuses["compile.prefill"] == "cached"
+    # The eager reference depends on the export alone: verify compares the new compile with it.
+    assert statuses["reference.decode"] == "cached" and statuses["verify.decode"] == "ran"
 
 
 def _write(folder: Path, name: str, tensor) -> str:

@@ -1,5 +1,7 @@
 """verify: run one method's compiled .so and weights blob through torch's AOTI runner and compare
-its outputs with eager execution of the exported program, within a per-dtype tolerance.
+its outputs with eager execution of the exported program, within a per-dtype tolerance. The eager
+results are the reference stage's on a device target, else computed here
+(cudabuild.backend.stages.reference).
 
 The .so is built without libtorch (link_libtorch=False), so its `aoti_torch_*` symbols resolve only
 if libtorch is loaded with RTLD_GLOBAL: torch loads it RTLD_LOCAL, so the library is promoted first.
@@ -15,12 +17,11 @@ import os
 
 from cudabuild.errors import VerifyFailed, one_line
 from cudabuild.backend import aoti_constants, mapped_weights
-from cudabuild.backend import custom_ops, device_peak, kernel_cache
-from cudabuild.backend.cuda_env import scoped_environ
+from cudabuild.backend import custom_ops, device_peak
 from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_program
+from cudabuild.backend.stages import reference
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
-from cudabuild.engine.memory import collect_if_worth
 from cudabuild.engine.runner import StageResult
 from cudabuild.engine.console.trace import phase
 
@@ -87,35 +88,36 @@ def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> t
 
 
 def run(ctx) -> StageResult:
+    import torch
+
     method, target = ctx.stage.method, ctx.config.target
-    device = "cuda" if target == "cuda" else "cpu"
+    device = reference.device_of(target)
     release_model()
     custom_ops.register(ctx.config.target)  # the ops its programs call
     device_peak.start(device)  # what it holds on the device: the runner's admission reads it
-    with phase("load"):
-        ep = load_program(ctx.reader("export", method))  # weights mapped from the store
-        inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
-    sampler = (ctx.config.description.get("samplers") or {}).get(method)
+    # Where the build has a reference stage (a device target), the eager results are its output;
+    # elsewhere they are computed here, the same way.
+    if "reference" in ctx.inputs:
+        with phase("load"):
+            expected = reference.load(ctx.blob_path("reference", method, reference.FILE))
+    else:
+        expected = reference.compute(ctx, device)
+    sampler = reference.sampler_of(ctx)
     if sampler:
-        return _verify_sampling_method(ctx, ep, device, sampler)
-    expected = eager_outputs(ep, inputs, device)
-    compute = compute_dtype(ep, expected)
-    # The eager program's weights are unmapped before the compiled code gets its own: one copy of
-    # a big model at a time. Its graph module holds reference cycles, so that takes a collection
-    # (a fraction of a second with torch loaded: only where the weights are worth it).
-    held = sum(t.nbytes for t in ep.state_dict.values())
-    del ep
-    collect_if_worth(held)
+        return _verify_sampling_method(ctx, expected, device)
+    inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
+    outputs = expected["outputs"]
+    compute = getattr(torch, expected["computed_in"])
     so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
     blob = ctx.blob_path("compile", method, "weights.blob")
     with phase("compiled"):
         actual, report_load = run_compiled_lean(ctx, method, str(so), blob, inputs, device)
     tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
     report = {"outputs": [], "passed": True, "constants_from": report_load}
-    for i, (want, got) in enumerate(zip(expected, actual)):
+    for i, (want, got) in enumerate(zip(outputs, actual)):
         got = got.detach().to("cpu")
         dtype = str(want.dtype).removeprefix("torch.")
-        precision = _narrowest((want.dtype, compute)) if want.dtype.is_floating_point else want.dtype
+        precision = reference.narrowest((want.dtype, compute)) if want.dtype.is_floating_point else want.dtype
         scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
         diff = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
         allowed = tolerances.get(str(precision).removeprefix("torch."), 1e-4) * scale
@@ -123,13 +125,13 @@ def run(ctx) -> StageResult:
         report["outputs"].append({"index": i, "dtype": dtype, "computed_in": str(precision).removeprefix("torch."),
                                   "shape": list(want.shape), "max_abs_diff": diff, "allowed": allowed, "ok": ok})
         report["passed"] &= ok
-    if len(actual) != len(expected):
+    if len(actual) != len(outputs):
         report["passed"] = False
     path = ctx.workdir / "verify.json"
     path.write_text(json.dumps(report, indent=1))
     if not report["passed"]:
         worst = max(report["outputs"], key=lambda o: o["max_abs_diff"] / max(o["allowed"], 1e-30), default={})
-        where = _locate_fault(ctx, method, inputs, expected, worst.get("index") or 0, device, (str(so), str(blob)), report)
+        where = _locate_fault(ctx, method, inputs, outputs, worst.get("index") or 0, device, (str(so), str(blob)), report)
         report["fault"] = where
         _keep_failed_report(ctx, method, report)
         raise VerifyFailed(
@@ -141,7 +143,7 @@ def run(ctx) -> StageResult:
     return StageResult({"verify.json": path}, value=summary)
 
 
-def _verify_sampling_method(ctx, ep, device: str, sampler: dict) -> StageResult:
+def _verify_sampling_method(ctx, expected: dict, device: str) -> StageResult:
     """A method that draws its token inside the program: its logits and state are compared over
     its verify steps (cudabuild.backend.sampled_logits), at the greedy temperature."""
     import torch
@@ -150,23 +152,16 @@ def _verify_sampling_method(ctx, ep, device: str, sampler: dict) -> StageResult:
 
     method = ctx.stage.method
     steps = torch.load(ctx.blob_path("export", method, "verify_steps.pt"), weights_only=True)
-    buffers = sampled_logits.program_buffers(ep)
-    precision = compute_dtype(ep, [])
     tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
-    tolerance = tolerances.get(str(precision).removeprefix("torch."), 1e-4)
-    # The eager program's Triton ops compile their kernels on first use: from the shared cache.
-    with phase("eager"), scoped_environ(kernel_cache.environment(ctx.store.root)):
-        eager, eager_states = sampled_logits.eager_steps(ep, steps, device, sampler["temperature_input"])
-    del ep
-    gc.collect()
+    tolerance = tolerances.get(expected["computed_in"], 1e-4)
     so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
     blob = ctx.blob_path("compile", method, "weights.blob")
     with phase("compiled"):
         runner = load_compiled(str(so), str(blob), device)
-        compiled, compiled_states = sampled_logits.compiled_steps(runner, steps, device, buffers)
+        compiled, compiled_states = sampled_logits.compiled_steps(runner, steps, device, expected["buffers"])
         del runner
-    report = sampled_logits.judge(eager, compiled, eager_states, compiled_states, tolerance)
-    report["computed_in"] = str(precision).removeprefix("torch.")
+    report = sampled_logits.judge(expected["steps"], compiled, expected["states"], compiled_states, tolerance)
+    report["computed_in"] = expected["computed_in"]
     path = ctx.workdir / "verify.json"
     path.write_text(json.dumps(report, indent=1))
     if not report["passed"]:
@@ -184,21 +179,6 @@ def _verify_sampling_method(ctx, ep, device: str, sampler: dict) -> StageResult:
     summary = {"max_abs_diff": worst, "passed": True, "steps": len(report["steps"]),
                "states_compared": report["states_compared"], **device_peak.peak(device)}
     return StageResult({"verify.json": path}, value=summary)
-
-
-def compute_dtype(ep, outputs: list):
-    """The precision the method computes in: the narrowest floating dtype of its weights (a bf16
-    model's logits come out as float32 but carry bf16's error), else of its outputs."""
-    dtypes = {t.dtype for t in ep.state_dict.values() if t.dtype.is_floating_point}
-    dtypes |= {t.dtype for t in outputs if t.dtype.is_floating_point}
-    return _narrowest(dtypes)
-
-
-def _narrowest(dtypes):
-    """The floating dtype of fewest bits (the first of them on a tie), float32 if there is none."""
-    import torch
-
-    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
 
 def run_compiled_lean(ctx, method: str, so: str, blob, inputs: tuple, device: str) -> tuple[list, str]:
@@ -235,22 +215,6 @@ def run_compiled_lean(ctx, method: str, so: str, blob, inputs: tuple, device: st
     return outputs, "the edge program's weights, mapped; the weights blob holds exactly their bytes"
 
 
-def eager_outputs(ep, inputs: tuple, device: str) -> list:
-    """The program run eagerly, on the target's device: a big model's reference (and Triton ops in
-    an edge program) need the GPU. Outputs come back on the CPU, as a list."""
-    import torch
-
-    if device != "cpu":
-        from torch.export.passes import move_to_device_pass
-
-        ep = move_to_device_pass(ep, device)
-        inputs = tuple(t.to(device) for t in inputs)
-    with torch.no_grad():
-        out = ep.module()(*inputs)
-    out = list(out) if isinstance(out, (list, tuple)) else [out]
-    return [t.detach().to("cpu") for t in out]
-
-
 def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, device: str,
                   compiled: tuple[str, str], report: dict) -> str:
     """On a mismatch, narrow down where it arose, in pipeline order: the stored edge program run
@@ -268,7 +232,7 @@ def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, d
     except Exception as e:
         constants = e
     try:
-        got = eager_outputs(edge, inputs, device)
+        got = reference.eager_outputs(edge, inputs, device)
         diff = (got[index].float() - expected[index].float()).abs().max().item()
     except Exception as e:
         return f"the edge program could not be run eagerly to locate the fault ({one_line(e)})"
