@@ -4,10 +4,11 @@
     python bench/cuda_target.py --target cpu --cases cold,noop,replay,method,cold2,warm,pinned,stock,stockwarm   # on a CPU
 
 Cases, each a whole `doit export ... target=cuda` process with its own cache dir:
-  cold        empty cache, the recipe's specs, the default workers (two on cuda); then
+  cold        empty cache, the recipe's specs, the default workers (three on cuda); then
               bench/package_identity.py: are the stand-in package's bytes those of lowering the
               exported programs?
   cold1       the same build with one worker (CUDABUILD_JOBS=1), in a fresh cache dir
+  cold2w      the same with two workers (CUDABUILD_JOBS=2)
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked
@@ -49,7 +50,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 130, "cold1": 140, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
+COLD_WITH_JOBS = {"cold1": "1", "cold2w": "2"}  # case -> CUDABUILD_JOBS of a cold build in a fresh cache
+ESTIMATE = {"cold": 130, "cold1": 140, "cold2w": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 
@@ -181,8 +183,8 @@ def main() -> None:
                 check = run("package_identity", main_project, [sys.executable, "bench/package_identity.py", args.model, args.target], cache)
                 lines = (out / "package_identity.log").read_text().split("\n--- stderr ---")[0].strip().splitlines()
                 results["package_identity"] = json.loads(lines[-1]) if check["rc"] in (0, 1) and lines else None
-        elif case == "cold1":
-            entry = run(case, project(case), doit, work / "cache-cold1", {"CUDABUILD_JOBS": "1"})
+        elif case in COLD_WITH_JOBS:
+            entry = run(case, project(case), doit, work / f"cache-{case}", {"CUDABUILD_JOBS": COLD_WITH_JOBS[case]})
             entry["compile_overlap_seconds"] = compile_overlap(out / f"{case}-trace.json")
         elif case == "noop":
             run(case, main_project, doit, cache)
@@ -232,7 +234,7 @@ def main() -> None:
         results["identical_bytes_pinned_warm_kernels"] = cases["pinned-cold"]["outputs"] == cases["pinned-warm"]["outputs"]
     if cases.get("cold", {}).get("rc") == 0:
         results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
-                              for case in ("cold1", "replay", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
+                              for case in ("cold1", "cold2w", "replay", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
     if cases.get("workers2", {}).get("rc") == 0 and cases.get("replay", {}).get("rc") == 0:
         results["two_workers"] = {"workers2/replay": round(cases["workers2"]["seconds"] / cases["replay"]["seconds"], 3),
                                   "compile_overlap_seconds": cases["workers2"].get("compile_overlap_seconds")}
@@ -252,8 +254,9 @@ def main() -> None:
             "cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"],
             "stock/noop": cases["stock"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9),
         }
-        if "seconds" in cases.get("cold1", {}):
-            results["ratios"]["cold1/stock"] = cases["cold1"]["seconds"] / cases["stock"]["seconds"]
+        for case in COLD_WITH_JOBS:
+            if "seconds" in cases.get(case, {}):
+                results["ratios"][f"{case}/stock"] = cases[case]["seconds"] / cases["stock"]["seconds"]
         if "seconds" in cases.get("stockwarm", {}):
             results["ratios"]["stockwarm/noop"] = cases["stockwarm"]["seconds"] / max(cases.get("noop", {}).get("seconds", 1e9), 1e-9)
         for case in ("replay", "method"):

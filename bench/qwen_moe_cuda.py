@@ -5,6 +5,8 @@
 
 Cases (each a whole process; cudabuild builds in a project copy with its own cache):
   cold      `doit export model=qwen_moe target=cuda` (size tiny), empty caches
+  cold2w    the cold build with two workers (CUDABUILD_JOBS=2; the default is three on cuda), in a
+            fresh project, cache and kernel cache: its time against cold's
   noop      the same again: nothing runs
   restore   `rm -rf build`, then the same: every stage restored from the cache
   runtime   the package in ExecuTorch's C++ CUDA runtime (RUNTIME, ../shared/et-runtime): prefill
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ESTIMATE = {"cold": 240, "noop": 10, "restore": 15, "runtime": 60, "stock": 200, "parity": 20, "lowmem": 150,
+ESTIMATE = {"cold": 240, "cold2w": 240, "noop": 10, "restore": 15, "runtime": 60, "stock": 200, "parity": 20, "lowmem": 150,
             "memory": 300, "hqq": 120, "optlevel": 250}
 MODEL, TARGET = "qwen_moe", "cuda"
 
@@ -100,10 +102,10 @@ class Bench:
         print(f"{name:<24}{entry['seconds']:8.1f}s rc={rc}", flush=True)
         return entry
 
-    def build(self, name: str, project: Path, cache: Path, *settings: str, tasks=("export",)) -> dict:
+    def build(self, name: str, project: Path, cache: Path, *settings: str, tasks=("export",), env=None) -> dict:
         cmd = [sys.executable, "-m", "doit", *tasks, f"model={MODEL}", f"target={TARGET}", *settings]
         env = {"CUDABUILD_CACHE_DIR": str(cache), "CUDABUILD_PROJECT": str(project),
-               "PYTHONPATH": f"{project}:{os.environ.get('PYTHONPATH', '')}"}
+               "PYTHONPATH": f"{project}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}
         entry = self.run(name, cmd, project, env)
         build = project / "build" / MODEL / TARGET
         stamps = {p.stem: json.loads(p.read_text()) for p in (build / ".stamps").glob("*.json")} if build.exists() else {}
@@ -339,6 +341,11 @@ def main() -> None:
         try:
             if case in ("cold", "noop"):
                 results["cases"][case] = bench.build(case, main_project, cache, *args.set)
+            elif case == "cold2w":
+                # The same cold build with two workers, in a fresh project, cache and kernel cache.
+                fresh = bench.work / "cache-cold2w"
+                results["cases"][case] = bench.build(case, bench.project("cold2w"), fresh, *args.set,
+                                                     env={"CUDABUILD_JOBS": "2", "CUDABUILD_KERNEL_CACHE": str(fresh / "kernels")})
             elif case == "restore":
                 shutil.rmtree(main_project / "build", ignore_errors=True)
                 results["cases"][case] = bench.build(case, main_project, cache, *args.set)
@@ -389,6 +396,8 @@ def main() -> None:
             "timings_O1": (cases["optlevel"].get("runtime") or {}).get("timings")}
     if "seconds" in cases.get("cold", {}) and "seconds" in cases.get("stock", {}):
         results["ratios"] = {"cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"]}
+    if cases.get("cold", {}).get("rc") == 0 and cases.get("cold2w", {}).get("rc") == 0:
+        results.setdefault("ratios", {})["cold2w/cold"] = cases["cold2w"]["seconds"] / cases["cold"]["seconds"]
     bench.save()
     print(json.dumps({k: v for k, v in results.items() if k != "cases"}, indent=1))
 

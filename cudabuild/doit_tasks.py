@@ -118,17 +118,21 @@ def recover_doit_db(argv: list[str] | None = None) -> None:
           "the stamps and the cache still know every build", file=sys.stderr)
 
 
+DEVICE_BUILD_WORKERS = 3
+
+
 def _default_workers() -> int:
     """One worker per core (cudabuild.engine.workers), except for a build for a device target that
-    $CUDABUILD_JOBS says nothing about: two there, one per method. Compile and verify are nearly
-    all of such a build's time and each mostly keeps the host busy (lowering, codegen, the C++
-    compile), so the two methods' compiles overlap on one GPU. Measured on the H200 (tiny_lm, a
-    spec change, bench/cuda_target.py's workers2): two workers took 0.87x one worker's time, with
-    61 s of the two compiles overlapping; four workers took 1.17x one's (160 s against 137 s cold),
-    their imports and compile pools competing for the cores."""
+    $CUDABUILD_JOBS says nothing about: three there, a chain per method and the eager references
+    beside them. Compile, verify and reference are nearly all of such a build's time; a compile
+    mostly keeps the host busy (lowering, codegen, the C++ compile), so the two methods' compiles
+    overlap on one GPU, and a reference needs only its export, so it runs while they compile.
+    Measured on the H200, tiny_lm cold (bench/cuda_target.py): two workers 69 s against one's 97 s,
+    when the reference was still part of verify; four workers took 1.17x one's time back when every
+    first-build device stage took the device alone, their imports and compile pools competing."""
     try:
         if not os.environ.get(workers.JOBS_ENV, "").strip() and _builds_for_a_device(cli_vars()):
-            return min(2, workers.default_workers())
+            return min(DEVICE_BUILD_WORKERS, workers.default_workers())
         return workers.default_workers()
     except CudabuildError as e:
         fail_fast(e)

@@ -161,14 +161,14 @@ def test_a_build_run_by_two_workers_is_the_build_one_worker_makes(tiny_copy, tmp
     assert {name: (tiny_copy.build_dir / name).read_bytes() for name in outputs} == outputs
 
 
-def test_a_build_for_a_device_defaults_to_two_workers_and_a_cpu_build_to_one_per_core(project):
+def test_a_build_for_a_device_defaults_to_three_workers_and_a_cpu_build_to_one_per_core(project):
     from cudabuild.doit_tasks import _builds_for_a_device
 
     assert _builds_for_a_device({"target": "cuda"}) and not _builds_for_a_device({"target": "cpu"})
     assert not _builds_for_a_device({"target": "tpu"})  # left to the build's own one-line error
     # What doit is handed: DOIT_CONFIG's worker processes once doit has loaded dodo.py with the
     # command line's target (0 is doit's in-process runner).
-    for target, expected in (("cuda", min(2, workers.default_workers({}))), ("cpu", workers.default_workers({}))):
+    for target, expected in (("cuda", min(3, workers.default_workers({}))), ("cpu", workers.default_workers({}))):
         result = project.run("-c", LOADED_CONFIG, "list", "model=tiny_lm", f"target={target}", CUDABUILD_JOBS="")
         processes = int(result.stdout.strip().splitlines()[-1])
         assert processes == (expected if expected > 1 else 0), (target, result.stdout)
