@@ -81,14 +81,19 @@ def test_the_c_compile_names_the_programs_it_runs(built_tiny):
         within = [t for t in compilers if cpp["ts"] <= t["ts"] and t["ts"] + t["dur"] <= cpp["ts"] + cpp["dur"] + 1]
         # The wrapper's and the kernels' compiles are most of it (the rest: writing sources, linking's setup).
         assert within and sum(t["dur"] for t in within) >= 0.5 * cpp["dur"], (method, compilers, cpp)
+        # Each names the command it ran (what tells the wrapper's compile from a kernel's).
+        assert all(t["args"]["command"].split()[0].endswith(t["name"].removeprefix("tool ")) for t in within), within
 
 
-def test_a_tool_is_named_by_its_program():
-    from cudabuild.backend.inductor_phases import tool_name
+def test_a_tool_is_named_by_its_program_and_keeps_its_command_line():
+    from cudabuild.backend.inductor_phases import tool_command, tool_name
 
     assert tool_name(["/usr/local/cuda/bin/nvcc", "-fatbin", "k.ptx"]) == "nvcc"
     assert tool_name("objcopy --rename-section .data=.nv_fatbin k.o") == "objcopy"
     assert tool_name([b"/usr/bin/ld", b"-r"]) == "ld"
+    assert tool_command(["python3", "-c", "import torch; print(1)"]) == "python3 -c 'import torch; print(1)'"
+    long = tool_command(["g++"] + [f"-I/include/{i}" for i in range(100)], limit=40)
+    assert len(long) == 40 and long.startswith("g++ -I/include/0") and long.endswith("...")
 
 
 def test_merge_takes_this_runs_spans_from_every_process_and_leaves_other_runs(tmp_path):

@@ -33,6 +33,8 @@ from cudabuild.engine.console.trace import phase, recording
 MIN_SECONDS = 0.005
 # An external tool's run is kept however short: a hundred 3 ms `objcopy` runs are 0.3 s.
 TOOL_MIN_SECONDS = 0.0
+# A tool span keeps the start of its command line: enough to tell one `python3 -c` from another.
+TOOL_COMMAND_CHARS = 200
 
 # Inductor's event names -> the span's name in trace.json.
 PHASES = {
@@ -136,6 +138,15 @@ def tool_name(args) -> str:
     return "?"
 
 
+def tool_command(args, limit: int = TOOL_COMMAND_CHARS) -> str:
+    """The command line a subprocess call runs, cut to `limit` characters: what tells one `python3`
+    a compile starts from another."""
+    with contextlib.suppress(Exception):
+        line = os.fsdecode(args) if isinstance(args, (str, bytes)) else shlex.join(os.fsdecode(a) for a in args)
+        return line if len(line) <= limit else line[:limit - 3] + "..."
+    return "?"
+
+
 @contextlib.contextmanager
 def _tool_spans() -> Iterator[None]:
     """Each `subprocess.run` / `subprocess.call` of this process, while the block runs, as a span
@@ -151,7 +162,8 @@ def _tool_spans() -> Iterator[None]:
         def wrapper(*args, **kwargs):
             command = args[0] if args else kwargs.get("args")
             # The recorder itself, not the context's: inductor runs some tools from a thread pool.
-            with recorder.span(f"tool {tool_name(command)}", category="tool", min_seconds=TOOL_MIN_SECONDS):
+            with recorder.span(f"tool {tool_name(command)}", category="tool", min_seconds=TOOL_MIN_SECONDS,
+                               command=tool_command(command)):
                 return original(*args, **kwargs)
 
         return wrapper
