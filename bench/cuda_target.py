@@ -11,7 +11,18 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
   cold2w      the same with two workers (CUDABUILD_JOBS=2)
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
-              autotuning decisions are replayed, not re-benchmarked
+              autotuning decisions are replayed, not re-benchmarked; the casts change the Triton
+              kernels' sources, so some kernels compile again
+  keepkernels a spec change that keeps every kernel's source (compile_wrapper_opt_level flipped
+              between O0 and O1: the wrapper's C++ flags only): compile reruns, every Triton kernel
+              comes from the kernel cache and every tuning decision is replayed
+  second      a second machine: a fresh project whose cache is a copy of cold's, taken right after
+              cold (what a shared tier holds once cold wrote it back), building keepkernels' spec.
+              The tier's transfer time is not in it: bench/remote.py measures restores over Redis
+              and an object store
+  layer       an edit of the model's code that changes its last layer's kernels (tiny_lm: the last
+              layer's output scaled by 1.0001), on copies of the project and cache taken right
+              after cold: export reruns, and compile finds the other kernels in the kernel cache
   workers2    replay's spec change with two workers (CUDABUILD_JOBS=2), on a copy of the project
               and cache taken right after cold: both compiles share the GPU once cold measured
               their device memory, kernel timings one at a time; its time against replay's
@@ -51,7 +62,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COLD_WITH_JOBS = {"cold1": "1", "cold2w": "2"}  # case -> CUDABUILD_JOBS of a cold build in a fresh cache
-ESTIMATE = {"cold": 130, "cold1": 140, "cold2w": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
+ESTIMATE = {"keepkernels": 60, "second": 60, "layer": 70, "cold": 130, "cold1": 140, "cold2w": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 
@@ -63,6 +74,22 @@ def specs_of(project: Path, method: str) -> dict:
     """The specs the last build of `project` used for `method` (from its compile stamp)."""
     stamps = sorted(project.glob(f"build/*/*/.stamps/compile.{method}.json"))
     return json.loads(stamps[0].read_text())["inputs"].get("specs", {}) if stamps else {}
+
+
+# The `layer` case's edit, by model: (file, text, replacement). A residual scale after the last
+# layer only: one layer's kernels change, the rest keep their sources.
+LAYER_EDITS = {
+    "tiny_lm": ("cudabuild/models/tiny_lm.py",
+                "        for layer in self.layers:\n            x = layer(x, input_pos, mask)\n",
+                "        for index, layer in enumerate(self.layers):\n            x = layer(x, input_pos, mask)\n"
+                "            if index == len(self.layers) - 1:\n                x = x * 1.0001\n"),
+}
+SNAPSHOT_CASES = ("workers2", "second", "layer")  # cases that start from copies taken right after cold
+
+
+def flipped_opt_level(project: Path) -> str:
+    """keepkernels' spec: the wrapper's other C++ optimization level than the last build's."""
+    return "O1" if specs_of(project, "decode").get("compile_wrapper_opt_level") == "O0" else "O0"
 
 
 def compile_spans(trace: Path) -> dict:
@@ -176,9 +203,10 @@ def main() -> None:
             entry = run(case, main_project, doit, cache)
             entry["compile_overlap_seconds"] = compile_overlap(out / f"{case}-trace.json")
             if entry["rc"] == 0:
-                if "workers2" in args.cases.split(","):  # the state replay starts from, for workers2
-                    shutil.copytree(main_project, work / "workers2", symlinks=True)
-                    shutil.copytree(cache, work / "cache-workers2", symlinks=True)
+                for later in SNAPSHOT_CASES:  # the state those cases start from
+                    if later in args.cases.split(","):
+                        shutil.copytree(main_project, work / later, symlinks=True)
+                        shutil.copytree(cache, work / f"cache-{later}", symlinks=True)
                 # package lowers stand-ins: are its bytes those of lowering the exported programs?
                 check = run("package_identity", main_project, [sys.executable, "bench/package_identity.py", args.model, args.target], cache)
                 lines = (out / "package_identity.log").read_text().split("\n--- stderr ---")[0].strip().splitlines()
@@ -194,14 +222,31 @@ def main() -> None:
             entry = run(case, work / "workers2", doit + ["emulate_precision_casts=OFF"], work / "cache-workers2",
                         {"CUDABUILD_JOBS": "2"})
             entry["compile_overlap_seconds"] = compile_overlap(out / f"{case}-trace.json")
+        elif case == "keepkernels":
+            run(case, main_project, doit + [f"compile_wrapper_opt_level={flipped_opt_level(main_project)}"], cache)
+        elif case == "second" and (work / "second").exists():
+            # A fresh checkout on the second machine: the project's files, none of its build outputs.
+            shutil.rmtree(work / "second" / "build", ignore_errors=True)
+            run(case, work / "second", doit + [f"compile_wrapper_opt_level={flipped_opt_level(work / 'second')}"],
+                work / "cache-second")
+        elif case == "layer" and (work / "layer").exists():
+            if args.model not in LAYER_EDITS:
+                results["cases"][case] = {"skipped": f"no layer edit for {args.model}"}
+                continue
+            file, text, replacement = LAYER_EDITS[args.model]
+            source = work / "layer" / file
+            assert text in source.read_text(), f"the layer edit no longer applies to {file}"
+            source.write_text(source.read_text().replace(text, replacement))
+            entry = run(case, work / "layer", doit, work / "cache-layer")
+            entry["triton_kernels_compiled"] = {stage: v["kernels"].get("triton_kernels_compiled")
+                                                for stage, v in (entry.get("compile_spans") or {}).items()}
         elif case == "method":
             flipped = "OFF" if specs_of(main_project, "decode").get("low_memory_mode") == "ON" else "ON"
             run(case, main_project, doit + [f"decode.low_memory_mode={flipped}"], cache)
         elif case == "lowmem":
             run(case, main_project, doit + ["low_memory_mode=ON"], cache)
         elif case == "cold2":
-            second = project("second")
-            run(case, second, doit, work / "cache-second")
+            run(case, project("cold2"), doit, work / "cache-cold2")
         elif case == "warm":
             run(case, project("warm"), doit, work / "cache-warm", {"CUDABUILD_KERNEL_CACHE": str(cache / "kernels")})
         elif case == "o0":
@@ -234,7 +279,7 @@ def main() -> None:
         results["identical_bytes_pinned_warm_kernels"] = cases["pinned-cold"]["outputs"] == cases["pinned-warm"]["outputs"]
     if cases.get("cold", {}).get("rc") == 0:
         results["of_cold"] = {f"{case}/cold": round(cases[case]["seconds"] / cases["cold"]["seconds"], 3)
-                              for case in ("cold1", "cold2w", "replay", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
+                              for case in ("cold1", "cold2w", "replay", "keepkernels", "second", "layer", "workers2", "method", "warm", "cold2", "pinned-cold", "pinned-warm") if cases.get(case, {}).get("rc") == 0}
     if cases.get("workers2", {}).get("rc") == 0 and cases.get("replay", {}).get("rc") == 0:
         results["two_workers"] = {"workers2/replay": round(cases["workers2"]["seconds"] / cases["replay"]["seconds"], 3),
                                   "compile_overlap_seconds": cases["workers2"].get("compile_overlap_seconds")}

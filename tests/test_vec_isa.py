@@ -1,11 +1,13 @@
-"""The CPU ISA answer (cudabuild.backend.vec_isa): recorded from torch's own check, used by later
-compiles to skip it, and the same bytes either way."""
+"""Inductor's CPU ISA probes (cudabuild.backend.vec_isa): the answer torch's own check gave is
+remembered per source and build command, a later compile on the machine builds and loads no probe,
+and the bytes are the same."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import warnings
 
 import pytest
 
@@ -18,52 +20,109 @@ from torch._inductor import cpu_vec_isa  # noqa: E402
 
 from cudabuild.backend import vec_isa  # noqa: E402
 
-x86_only = pytest.mark.skipif(vec_isa.answer_key() is None, reason="torch checks ISAs by building only on x86-64")
+x86_only = pytest.mark.skipif(vec_isa.machine_key() is None, reason="torch probes ISAs by building only on x86-64")
 
 
-def _base_probes(project: Project) -> list[dict]:
-    """The `python -c` children that load a probe library: one per ISA check torch made."""
+def _probe_children(project: Project) -> list[dict]:
+    """The `python -c` children that load a probe library: one per probe torch ran."""
     events = json.loads((project.build_dir / "trace.json").read_text())["traceEvents"]
     return [e for e in events if e.get("cat") == "tool" and "from ctypes import cdll" in e["args"].get("command", "")]
 
 
+def _probe_one(isa) -> bool:
+    """One probe as a compile makes it, past the process's own memo of the answer."""
+    return isa.check_build(cpu_vec_isa.VecISA._avx_code)
+
+
+def _listed_isas() -> list:
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
 @x86_only
-def test_an_answer_is_recorded_from_torchs_check_and_then_skips_it(tmp_path, monkeypatch):
+def test_a_probe_is_remembered_with_its_answer_and_asked_once_per_source_and_build_command(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-    with vec_isa.answered(tmp_path) as skipped:
-        assert skipped is False and inductor_config.cpp.vec_isa_ok is None
-        checked = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # what a compile asks
-    saved, = (tmp_path / vec_isa.FOLDER).glob("*.json")
-    answer = json.loads(saved.read_text())
-    assert answer["valid"] == checked and answer["all_valid"] == (checked == answer["listed_by_cpu"])
-    with vec_isa.answered(tmp_path) as skipped:
-        assert skipped is answer["all_valid"]
-        assert inductor_config.cpp.vec_isa_ok is (True if answer["all_valid"] else None)
-    assert inductor_config.cpp.vec_isa_ok is None  # put back
-    # An answer in which an ISA failed its check is not taken: compiles go on checking.
-    saved.write_text(json.dumps(dict(answer, valid=answer["valid"][1:], all_valid=False)))
-    with vec_isa.answered(tmp_path) as skipped:
-        assert skipped is False and inductor_config.cpp.vec_isa_ok is None
-    # Nor where the user says it: $TORCHINDUCTOR_VEC_ISA_OK wins.
-    saved.write_text(json.dumps(answer))
-    with inductor_config.patch({"cpp.vec_isa_ok": False}), vec_isa.answered(tmp_path) as skipped:
-        assert skipped is None and inductor_config.cpp.vec_isa_ok is False
+    if not _listed_isas():
+        pytest.skip("this CPU lists no vector ISA torch probes")
+    isa = _listed_isas()[-1]  # the narrowest the CPU lists: the likeliest to pass
+    machine = vec_isa.machine_key()
+    with vec_isa.answered(tmp_path) as count:
+        passed = _probe_one(isa)
+    assert (count.remembered, count.checked) == (0, 1)
+    remembered = vec_isa.probe_path(tmp_path, machine, isa, cpu_vec_isa.VecISA._avx_code)
+    if not passed:
+        pytest.skip(f"{isa} fails torch's probe here")
+    assert json.loads(remembered.read_text())["passed"] is True
+    with vec_isa.answered(tmp_path) as count:
+        assert _probe_one(isa) is True
+    assert (count.remembered, count.checked) == (1, 0)
+    assert "cudabuild" not in cpu_vec_isa.VecISA.check_build.__module__  # torch's own check, put back
+
+    # A probe that cannot build fails; once torch's check has failed it in FAILURES_TO_KEEP
+    # compiles, that is its answer, without a compiler run.
+    broken = cpu_vec_isa.VecISA._avx_code + "\nthis is not C++;\n"
+    for _ in range(vec_isa.FAILURES_TO_KEEP):
+        with vec_isa.answered(tmp_path) as count:
+            assert isa.check_build(broken) is False
+        assert (count.remembered, count.checked) == (0, 1)
+    with vec_isa.answered(tmp_path) as count:
+        assert isa.check_build(broken) is False
+    assert (count.remembered, count.checked) == (1, 0)
+
+    # The build command is part of the question: ExecuTorch's CUDA lowering links no libtorch.
+    with inductor_config.patch({"aot_inductor.link_libtorch": False}):
+        assert vec_isa.probe_path(tmp_path, machine, isa, cpu_vec_isa.VecISA._avx_code) != remembered
+        with vec_isa.answered(tmp_path) as count:
+            _probe_one(isa)
+        assert (count.remembered, count.checked) == (0, 1)
+
+    # $TORCHINDUCTOR_VEC_ISA_OK, inductor's own switch, wins: nothing is remembered or answered.
+    with inductor_config.patch({"cpp.vec_isa_ok": False}), vec_isa.answered(tmp_path) as count:
+        assert count is None
+
+
+@x86_only
+@pytest.mark.skipif(not hasattr(cpu_vec_isa.VecISA, "_probe_load"), reason="this torch's probe has no load timeout")
+def test_a_probe_whose_load_timed_out_is_asked_again(tmp_path, monkeypatch):
+    """torch 2.13 gives up on a probe child after 60 s, warns that it hung and says False: that
+    False says nothing about the machine, so it is not kept."""
+    if not _listed_isas():
+        pytest.skip("this CPU lists no vector ISA torch probes")
+    isa = _listed_isas()[-1]
+
+    def hung(self, output_path):  # what torch's _probe_load does once its child outlives the timeout
+        warnings.warn(f"VecISA dlopen probe for {self} hung after 60s", stacklevel=2)
+        return False
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", hung)
+    for _ in range(vec_isa.FAILURES_TO_KEEP + 1):
+        with pytest.warns(UserWarning, match="hung"), vec_isa.answered(tmp_path) as count:
+            assert _probe_one(isa) is False
+        assert (count.remembered, count.checked) == (0, 1)
+    assert not list(tmp_path.rglob("*.json"))  # no answer, no failure counted
+
+
+def _probe_counts(project: Project) -> dict[str, dict]:
+    """Per compile stage, the probes answered from the cache and those torch ran."""
+    stamps = project.build_dir / ".stamps"
+    return {p.stem: json.loads(p.read_text())["value"]["isa_probes"] for p in stamps.glob("compile.*.json")}
 
 
 @x86_only
 @pytest.mark.slow
-def test_a_cold_build_that_knows_the_answer_skips_the_check_and_builds_the_same_bytes(built_tiny, tmp_path):
-    answers = list((built_tiny.cache / vec_isa.FOLDER).glob("*.json"))
-    assert answers, "the shared build's compiles recorded no answer"
-    if not json.loads(answers[0].read_text())["all_valid"]:
-        pytest.skip("an ISA this CPU lists fails torch's check here: compiles keep checking")
-    probed = _base_probes(built_tiny)
-    assert probed  # the shared build (an empty cache) made torch's check, child by child
+def test_a_cold_build_on_a_machine_that_probed_before_runs_no_probe_and_builds_the_same_bytes(built_tiny, tmp_path):
+    before = _probe_counts(built_tiny)
+    assert _probe_children(built_tiny) and sum(c["checked"] for c in before.values()) > 0  # an empty cache: torch probed
+    assert list((built_tiny.cache / vec_isa.FOLDER).rglob("*.json")), "the shared build remembered no probe"
     fresh = new_project(tmp_path)
     shutil.copytree(built_tiny.cache / vec_isa.FOLDER, fresh.cache / vec_isa.FOLDER)
     assert_ok(fresh.export("model=tiny_lm", "target=cpu"))
     assert set(fresh.statuses().values()) == {"ran"}
-    assert len(_base_probes(fresh)) < len(probed)  # the ISAs' base checks were skipped
+    after = _probe_counts(fresh)
+    # (A compile in a worker that compiled before asks nothing: torch keeps answers per process.)
+    assert after.keys() == before.keys() and sum(c["remembered"] for c in after.values()) > 0
+    # Every probe has its answer from the cache: torch builds and loads none.
+    assert sum(c["checked"] for c in after.values()) == 0 and _probe_children(fresh) == []
     for name in ("model.pte", "aoti_cpu_blob.ptd"):
         digest = lambda p: hashlib.sha256((p.build_dir / name).read_bytes()).hexdigest()
         assert digest(fresh) == digest(built_tiny), name

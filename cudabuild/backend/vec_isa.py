@@ -1,19 +1,29 @@
-"""Which CPU vector ISAs inductor may use here, asked once per machine and toolchain, not once per compile.
+"""Inductor's CPU vector-ISA probes, each built and loaded once per machine and toolchain, not once
+per compile.
 
 Before inductor compiles any C++ (on cuda too: the wrapper's build options name a CPU ISA), it
-checks each ISA that the CPU's flags list: it builds a probe library with that ISA's flags and
-loads it in a child Python that imports torch. torch keeps the answer for the process only, and
-every cudabuild compile runs in a fresh worker with an emptied inductor dir, so every compile
-rebuilt the probes and started those children again. On the H200 that was four `python3`
-children of 3.4-4.9 s each, about 16 s of each compile stage's C++ compile (trace.json's
-`tool python3` spans).
+probes each ISA the CPU's flags list, and some of their features (AVX-512 bf16, AMX, AMX-fp16):
+a probe is a small library built with that ISA's flags and loaded in a child Python that imports
+torch (`VecISA.check_build`). torch keeps the answers for the process only, and every cudabuild
+compile runs in a fresh worker with an emptied inductor dir. So every compile built the probes and
+started those children again: on the H200, four probes of 1.5-1.7 s of g++ and 3.4-4.9 s of child
+Python each, about 23 s of every compile stage (trace.json's `tool g++` / `tool python3` spans).
 
-The answer is only ever recorded from torch's own check. After a compile that made it, the check's
-result goes into the cache (`vec_isa/<key>.json`). The key covers what decides it: the torch
-build, the C++ compiler (path, size, mtime) and the CPU's flags. Where every ISA the flags list
-built and loaded, a later compile sets inductor's `cpp.vec_isa_ok`. That option tells inductor to
-take the flags' list as valid, which is the same list, so the compile and its bytes are what they
-were. Where any ISA failed its check, compiles go on checking.
+A probe's answer is remembered in the cache (`vec_isa/<machine>/<probe>.json`), and a later
+compile on the same machine takes it without building or loading anything. The machine key covers
+the torch build, the C++ compiler (path, size, mtime) and the CPU's flags; the probe key adds the
+ISA, the probe's source and its whole build command as inductor's config makes it at that moment
+(compiler, defines, include dirs, flags, libraries). That last part matters: ExecuTorch's CUDA
+lowering sets `aot_inductor.link_libtorch=False`, so its probes link no libtorch and fail to load
+(`undefined symbol: Sleef_expf16_u10`), in the stock exporter too, while a CPU compile's pass;
+each keeps its own answer. A failure is usually as repeatable as a pass (a compile error, a missing
+symbol), but a full disk or a killed compiler fails a probe once, and a failure kept for good would
+turn an ISA off on that machine. So a pass is kept at once, and a failure is taken as the answer
+once torch's check has given it in two compiles (`FAILURES_TO_KEEP`); a load that timed out (torch
+2.13 warns that the probe "hung") is never counted. Only torch's own check ever records
+an answer, and a probe's only effect is its answer (the library it builds is used for nothing
+else), so a compile and its bytes are what they were. `$TORCHINDUCTOR_VEC_ISA_OK` (inductor's own
+switch) wins over all of this.
 """
 
 from __future__ import annotations
@@ -22,89 +32,123 @@ import contextlib
 import json
 import os
 import platform
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from shutil import which
 from typing import Iterator, Optional
 
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.hashing import digest
 
 FOLDER = "vec_isa"
+FAILURES_TO_KEEP = 2  # compiles in which torch's check failed a probe before the failure is its answer
 
 
-def _listed_by_cpu() -> list[str]:
-    """The ISAs inductor would check: those whose flags the CPU has (torch's own list and test)."""
-    from torch._inductor import cpu_vec_isa
+@dataclass
+class ProbeCount:
+    """What one block asked: probes answered from the cache, and probes torch ran."""
 
-    flags = cpu_vec_isa.x86_isa_checker()
-    return [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    remembered: int = 0
+    checked: int = 0
 
 
-def answer_key() -> Optional[str]:
-    """What decides the answer here, or None where there is nothing to save (not x86-64: torch
-    checks nothing by building there)."""
+def machine_key() -> Optional[str]:
+    """What decides every probe here, or None where there is nothing to save (not x86-64: torch
+    probes nothing by building there)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     import torch
     from torch._inductor import cpp_builder, cpu_vec_isa
 
     compiler = cpp_builder.get_cpp_compiler()
-    located = Path(compiler) if os.path.isabs(compiler) else None
-    if located is None:
-        from shutil import which
-
-        found = which(compiler)
-        located = Path(found) if found else None
-    stat = located.resolve().stat() if located and located.exists() else None
+    located = compiler if os.path.isabs(compiler) else which(compiler)
+    stat = Path(located).resolve().stat() if located and Path(located).exists() else None
     return digest({
         "torch": torch.__version__, "torch_file": torch.__file__,
-        "compiler": [str(located.resolve()), stat.st_size, stat.st_mtime_ns] if stat else compiler,
+        "compiler": [str(Path(located).resolve()), stat.st_size, stat.st_mtime_ns] if stat else compiler,
         "cpu_flags": sorted(cpu_vec_isa.x86_isa_checker()),
     })
 
 
-def _answer_path(store_root: Path, key: str) -> Path:
-    return Path(store_root) / FOLDER / f"{key[:32]}.json"
+def _arch_flags(isa) -> str:
+    """The flags this probe builds with (a feature probe adds to the ISA's flags for its build)."""
+    build_flags = getattr(isa, "build_arch_flags", None)
+    return build_flags() if callable(build_flags) else str(getattr(isa, "_arch_flags", ""))
 
 
-def known_answer(store_root: Path, key: str) -> Optional[dict]:
-    try:
-        return json.loads(_answer_path(store_root, key).read_text())
-    except (OSError, ValueError):
-        return None
+def _build_command(isa) -> dict:
+    """What a probe's build is made of under inductor's config now (as torch's check builds it)."""
+    from torch._inductor.cpp_builder import CppTorchOptions
+
+    options = CppTorchOptions(vec_isa=isa, warning_all=False)
+    parts = ("compiler", "definitions", "include_dirs", "cflags", "ldflags", "libraries_dirs", "libraries",
+             "passthrough_args")
+    return {part: getattr(options, f"get_{part}")() for part in parts if hasattr(options, f"get_{part}")}
 
 
-def _record(store_root: Path, key: str) -> None:
-    """Save the answer torch's check gave in this process, if this process made it."""
-    from torch._inductor import cpu_vec_isa
+def probe_path(store_root: Path, machine: str, isa, code: str) -> Path:
+    """Where a probe's pass is kept; each failure is a file beside it (`<probe>.failed-<id>.json`)."""
+    probe = digest({"isa": type(isa).__name__, "flags": _arch_flags(isa), "code": code, "build": _build_command(isa)})
+    return Path(store_root) / FOLDER / machine[:32] / f"{probe[:32]}.json"
 
-    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
-        return  # nothing was asked (asking now would run the very check this module saves)
-    valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    listed = _listed_by_cpu()
-    path = _answer_path(store_root, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"listed_by_cpu": listed, "valid": valid, "all_valid": valid == listed}))
+
+def _known_answer(path: Path) -> Optional[bool]:
+    if path.is_file():
+        return True
+    failures = list(path.parent.glob(f"{path.stem}.failed-*.json")) if path.parent.is_dir() else []
+    return False if len(failures) >= FAILURES_TO_KEEP else None
+
+
+def _remember(path: Path, isa, passed: bool) -> None:
+    target = path if passed else path.with_name(f"{path.stem}.failed-{uuid.uuid4().hex[:12]}.json")
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, json.dumps({"isa": str(isa), "flags": _arch_flags(isa), "passed": passed}))
 
 
 @contextlib.contextmanager
-def answered(store_root: Optional[Path]) -> Iterator[Optional[bool]]:
-    """Within the block, inductor skips its ISA check where the cache holds an answer in which
-    every listed ISA passed. Yields whether it does (None where the machine has nothing to save),
-    and records the answer after a block that made the check."""
+def answered(store_root: Optional[Path]) -> Iterator[Optional[ProbeCount]]:
+    """Within the block, a probe whose answer this machine knows (same source, same build command)
+    gets it without being built or loaded, and the answer of a probe torch runs is remembered.
+    Yields the block's counts (None where nothing is remembered: no store, not x86-64, or the
+    user's `$TORCHINDUCTOR_VEC_ISA_OK`)."""
     from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
 
-    if inductor_config.cpp.vec_isa_ok is not None:  # said already ($TORCHINDUCTOR_VEC_ISA_OK)
+    machine = machine_key() if store_root is not None and inductor_config.cpp.vec_isa_ok is None else None
+    if machine is None:
         yield None
         return
-    key = answer_key() if store_root is not None else None
-    if key is None:
-        yield None
-        return
-    answer = known_answer(store_root, key)
-    if answer and answer.get("all_valid") and answer.get("listed_by_cpu") == _listed_by_cpu():
-        with inductor_config.patch({"cpp.vec_isa_ok": True}):
-            yield True
-        return
-    yield False
-    with contextlib.suppress(OSError):
-        _record(store_root, key)
+    count = ProbeCount()
+    torch_check = cpu_vec_isa.VecISA.check_build
+
+    def check_build(isa, code: str) -> bool:
+        path = probe_path(store_root, machine, isa, code)
+        known = _known_answer(path)
+        if known is not None:
+            count.remembered += 1
+            return known
+        count.checked += 1
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            passed = torch_check(isa, code)
+        for warning in warned:  # said again, as they would have been
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        timed_out = any("hung" in str(w.message) for w in warned)
+        # The stage log says which probes torch ran here, and how they ended.
+        print(f"cudabuild: CPU ISA probe {isa} [{_arch_flags(isa)}] {'passed' if passed else 'failed'}"
+              f" in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        if not timed_out:
+            _remember(path, isa, passed)
+        return passed
+
+    cpu_vec_isa.VecISA.check_build = check_build
+    try:
+        yield count
+    finally:
+        cpu_vec_isa.VecISA.check_build = torch_check

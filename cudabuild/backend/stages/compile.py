@@ -82,18 +82,19 @@ def _inductor_dir_lock(cache_dir: Path):
 @contextlib.contextmanager
 def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool,
                   mapped: Iterable = (), timing_lock: Path | None = None,
-                  store_root: Path | None = None) -> Iterator[tuple[Any, set]]:
+                  store_root: Path | None = None) -> Iterator[tuple[Any, set, Any]]:
     """Every process-wide change one compile makes, in one list: entered in this order, undone in
-    reverse, also on error. Yields the program on the compile's device and the set that collects
-    the fallback kernels the compile emits.
+    reverse, also on error. Yields the program on the compile's device, the set that collects
+    the fallback kernels the compile emits, and the count of CPU ISA probes it asked
+    (cudabuild.backend.vec_isa; None without a `store_root`).
 
     The order, and why:
     1. The environment, outermost: inductor and Triton read the cache dir, the line-info switches
        and the cuda plan while they compile, so it encloses everything below and is put back last.
     2. Inductor's remote autotune cache flag, only where the environment turns that cache on: it
        stands in for a variable inductor's config read once, when it was imported. Beside it, with
-       a `store_root`, the CPU ISA answer saved there (cudabuild.backend.vec_isa), inside the
-       environment because torch's check builds with the compiler that environment names.
+       a `store_root`, the CPU ISA probes remembered there (cudabuild.backend.vec_isa), inside the
+       environment because torch's probes build with the compiler that environment names.
     3. The program on the device (`_program_on_device`): moved before the patches below are
        installed, so the move runs with stock inductor and with autograd on, as it always has;
        and it must precede the low-memory patches, which recognise the KV caches by the freed
@@ -120,7 +121,7 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
             from torch._inductor import config as inductor_config
 
             scope.enter_context(inductor_config.patch(autotune_remote_cache=True))
-        scope.enter_context(vec_isa.answered(store_root))
+        probes = scope.enter_context(vec_isa.answered(store_root))
         ep = scope.enter_context(_program_on_device(ep, target, low_memory))
         fallbacks = scope.enter_context(collect_fallbacks())
         scope.enter_context(torch.no_grad())
@@ -131,7 +132,7 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
         scope.enter_context(inductor_phases.traced())
         scope.enter_context(mapped_weights.released_after_copy(mapped))
         scope.enter_context(benchmark_lock.timings_alone(timing_lock))
-        yield ep, fallbacks
+        yield ep, fallbacks, probes
 
 
 @contextlib.contextmanager
@@ -192,7 +193,7 @@ def _compile(ctx) -> StageResult:
     # Another compile may share the GPU (cudabuild.engine.workers): kernels are timed one at a time.
     timing_lock = workers.timing_lock(ctx.store.root / "locks", device) if device == "cuda" else None
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
-                       mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.store.root) as (ep, fallbacks):
+                       mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.store.root) as (ep, fallbacks, probes):
         with phase("AOTInductor") as span:
             kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.store.root)
             try:
@@ -226,6 +227,8 @@ def _compile(ctx) -> StageResult:
     shas = {name: sha256_file(files[name]) for name in ("model.so", "weights.blob")}
     value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions)}
     value.update(device_peak.peak(device))
+    if probes is not None:  # CPU ISA probes answered from the cache / run by torch
+        value["isa_probes"] = {"remembered": probes.remembered, "checked": probes.checked}
     return StageResult(files, digest=digest(shas), value=value, known=shas)
 
 
