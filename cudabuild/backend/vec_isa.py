@@ -15,7 +15,7 @@ the torch build, the C++ compiler (path, size, mtime) and the CPU's flags; the p
 ISA, the probe's source and its whole build command as inductor's config makes it at that moment
 (compiler, defines, include dirs, flags, libraries). That last part matters: ExecuTorch's CUDA
 lowering sets `aot_inductor.link_libtorch=False`, so its probes link no libtorch and fail to load
-(`undefined symbol: Sleef_expf16_u10`), in the stock exporter too, while a CPU compile's pass;
+(`undefined symbol: Sleef_expf16_u10`), in the stock exporter too, while a CPU compile's probes pass;
 each keeps its own answer. A failure is usually as repeatable as a pass (a compile error, a missing
 symbol), but a full disk or a killed compiler fails a probe once, and a failure kept for good would
 turn an ISA off on that machine. So a pass is kept at once, and a failure is taken as the answer
