@@ -225,10 +225,10 @@ def main() -> None:
         elif case == "keepkernels":
             run(case, main_project, doit + [f"compile_wrapper_opt_level={flipped_opt_level(main_project)}"], cache)
         elif case == "second" and (work / "second").exists():
+            level = flipped_opt_level(work / "second")  # read from cold's stamps, before they go
             # A fresh checkout on the second machine: the project's files, none of its build outputs.
             shutil.rmtree(work / "second" / "build", ignore_errors=True)
-            run(case, work / "second", doit + [f"compile_wrapper_opt_level={flipped_opt_level(work / 'second')}"],
-                work / "cache-second")
+            run(case, work / "second", doit + [f"compile_wrapper_opt_level={level}"], work / "cache-second")
         elif case == "layer" and (work / "layer").exists():
             if args.model not in LAYER_EDITS:
                 results["cases"][case] = {"skipped": f"no layer edit for {args.model}"}
