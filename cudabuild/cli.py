@@ -5,6 +5,7 @@
     cudabuild cache stats --last 10
     cudabuild cache verify
     cudabuild cache gc --max-size 2G --max-age 30 [--dry-run]
+    cudabuild warm [stop [--all]]
 
 Building stays `doit export ...` (dodo.py). The project is $CUDABUILD_PROJECT or the current
 directory, the cache $CUDABUILD_CACHE_DIR (default ~/.cache/cudabuild). A user error is one line
@@ -30,6 +31,7 @@ COMMANDS = (
     ("cache stats", "entries and bytes in the cache; hits, restores, misses and time saved over the last builds"),
     ("cache verify", "re-hash every blob; drop corrupt ones and the records that named them"),
     ("cache gc", "evict least-recently-used entries that build/ does not reference, down to --max-size"),
+    ("warm", "the warm processes that run stages with torch imported already; `warm stop` ends this cache's"),
 )
 
 
@@ -87,6 +89,10 @@ def _parser() -> _Parser:
                     "evict its least-recently-used blobs that no record younger than --keep-days names")
     gc.add_argument("--keep-days", type=_days, default=7.0, metavar="DAYS",
                     help="with --remote: blobs named by records younger than DAYS days are kept (default 7)")
+    warm = commands.add_parser("warm", prog="cudabuild warm", usage="cudabuild warm [stop [--all]]",
+                               description=ABOUT["warm"] + " (--all: every cache's).")
+    warm.add_argument("action", nargs="?", choices=("list", "stop"), default="list")
+    warm.add_argument("--all", action="store_true", help="with stop: every warm process of this user, not only this cache's")
     return parser
 
 
@@ -199,6 +205,24 @@ def cmd_cache(args) -> int:
     return status
 
 
+def cmd_warm(args) -> int:
+    from cudabuild.engine import warm
+    from cudabuild.engine.store import default_root
+
+    cache = str(Path(default_root()).resolve())
+    processes = [p for p in warm.running() if args.all or p.get("cache") == cache]
+    if args.action == "stop":
+        for process in processes:
+            warm.stop(process)
+        print(f"stopped {len(processes)} warm process{'es' if len(processes) != 1 else ''}")
+        return 0
+    if not processes:
+        print("no warm process" if args.all else f"no warm process for {cache} (--all: every cache's)")
+    for process in processes:
+        print(f"pid {process['pid']}  cache {process['cache']}  {', '.join(process['modules'])}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -206,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             names = ", ".join(name for name, _ in COMMANDS)
             raise UsageError(f"no command given; commands: {names} (see cudabuild --help)")
         args = _parser().parse_args(argv)
-        return {"explain": cmd_explain, "report": cmd_report}.get(args.command, cmd_cache)(args)
+        return {"explain": cmd_explain, "report": cmd_report, "warm": cmd_warm}.get(args.command, cmd_cache)(args)
     except SystemExit as e:  # --help, which argparse ends with exit(0)
         return e.code if isinstance(e.code, int) else 0
     except CudabuildError as e:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from cudabuild.engine import cluster, nightly, workers
+from cudabuild import warm_stage
+from cudabuild.engine import cluster, nightly, warm, workers
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
 from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines,
@@ -181,7 +182,16 @@ def make_runner(cli: dict[str, str]) -> Runner:
     config = load_config(project_root(), cli, store)
     if config.target_note:
         print(config.target_note, file=sys.stderr)
-    return Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS)
+    return with_warm(Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS), cli)
+
+
+def with_warm(runner: Runner, settings: dict[str, str]) -> Runner:
+    """The runner, its stages that must run sent to the cache's warm process (cudabuild.engine.warm):
+    by default on cpu, with CUDABUILD_WARM=1 on a device too (not yet measured on one), never with
+    CUDABUILD_WARM=0. None is started before a stage must run."""
+    if warm.enabled(default=runner.config.target == "cpu"):
+        runner.warm = warm_stage.for_build(runner, settings)
+    return runner
 
 
 def _stage_action(runner: Runner, stage):
@@ -327,6 +337,8 @@ def task_nightly():
                 delegate = pool.delegate({"project": str(project), "settings": dict(cli, model=model, target=config.target)})
             runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS,
                             delegate=delegate)
+            if delegate is None:
+                with_warm(runner, dict(cli, model=model, target=config.target))
             builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 
     for build, (runner, _) in builds.items():

@@ -130,6 +130,20 @@ def _verify(ctx: KeyContext) -> dict:
             **({"sampler": sampler} if sampler else {})}
 
 
+# What every stage that runs imports first, imported once by a warm process (cudabuild.engine.warm)
+# instead of by each: torch, inductor, torch.export and ExecuTorch's program and lowering code
+# (about 6 s of imports on a 2-core machine). Only modules every build of the target imports
+# anyway, so a stage in a warm child sees the libraries it would have seen; on a device, Triton
+# too, but not ExecuTorch's Triton ops: flash-linear-attention, which they import, may load the
+# CUDA driver, and a driver loaded before the fork is unusable in the children.
+_WARM_IMPORTS = ("torch", "torch._inductor.compile_fx", "torch._inductor.codecache", "torch.export",
+                 "executorch.exir", "executorch.exir.serde.serialize", "executorch.backends.aoti.aoti_partitioner")
+
+
+def _warm_imports(target: str) -> tuple[str, ...]:
+    return _WARM_IMPORTS + (("triton",) if target != "cpu" else ())
+
+
 def _compile_alone(config, method) -> str | None:
     if config.target == "cpu" and config.specs[method].get("max_autotune") == "ON":
         return "it tunes kernels by timing them on the CPU, which a stage beside it would skew"
@@ -169,4 +183,5 @@ PIPELINE = Pipeline(
     ],
     fingerprint=toolchain.cheap_fingerprint,
     content_digests={".safetensors": safetensors_parts.tensor_digests},
+    warm_imports=_warm_imports,
 )

@@ -21,6 +21,7 @@ import pytest
 from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
+os.environ["CUDABUILD_WARM"] = "0"  # builds made in this process, too (see Project.env)
 
 
 @dataclass
@@ -42,8 +43,10 @@ class Project:
         # at once on 2 cores, and a build's second worker would import torch and ExecuTorch again.
         # The run's shared tiny build (_build_tiny) uses two workers: the default path of a
         # 2-core machine, under every test that reads it.
+        # No warm processes (cudabuild.engine.warm) unless a test asks: each cache would get its own,
+        # idle for minutes, a torch import each. The run's shared tiny build asks (the default path).
         env.update(CUDABUILD_CACHE_DIR=str(self.cache), CUDABUILD_PROJECT=str(self.root), PYTHONUNBUFFERED="1",
-                   CUDABUILD_JOBS="1")
+                   CUDABUILD_JOBS="1", CUDABUILD_WARM="0")
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
@@ -156,7 +159,10 @@ def shared_build(name: str, tmp_path_factory, make) -> Project:
 
 def _build_tiny(folder: Path) -> Project:
     proj = new_project(folder)
-    result = proj.export("model=tiny_lm", "target=cpu", env=proj.env(CUDABUILD_JOBS=2))
+    # Two workers and warm processes: a 2-core machine's default path, with the warm process gone
+    # soon after the build.
+    result = proj.export("model=tiny_lm", "target=cpu",
+                         env=proj.env(CUDABUILD_JOBS=2, CUDABUILD_WARM=1, CUDABUILD_WARM_IDLE_SECONDS=30))
     assert_ok(result)
     (folder / "export.out").write_text(json.dumps({"stdout": result.stdout, "stderr": result.stderr}))
     return proj

@@ -149,8 +149,12 @@ class Pipeline:
     """The ordered table of stage kinds, and everything the engine asks of the graph."""
 
     def __init__(self, rows: list[StageKind], fingerprint: Callable[[str], dict],
-                 content_digests: Optional[Mapping[str, Callable[[str], dict]]] = None):
+                 content_digests: Optional[Mapping[str, Callable[[str], dict]]] = None,
+                 warm_imports: Optional[Callable[[str], tuple[str, ...]]] = None):
         self.rows = {row.kind: row for row in rows}
+        # target -> the third-party modules its stages import, which a warm process imports once
+        # for all of them (cudabuild.engine.warm); () for none.
+        self.warm_imports = warm_imports or (lambda target: ())
         self.cheap_fingerprint = fingerprint  # target -> cheap toolchain fingerprint (no torch)
         # File suffix -> digests of the parts of such a file ({name: sha256}, e.g. one per tensor of
         # a .safetensors shard): how a checkpoint file enters the key, so that a change is told

@@ -136,6 +136,10 @@ class Runner:
     # Where a stage that must run is run, when not here: (label, work, resources) -> the outcome its
     # worker reports, once its record is in the shared tier (cudabuild.engine.cluster.Pool.delegate).
     delegate: Optional[Callable[[str, dict, dict], dict]] = None
+    # Where a stage that must run is run on this machine, when not in this process: stage -> the
+    # outcome of running it in a fork of a warm process, one that imported torch already
+    # (cudabuild.engine.warm; cudabuild.warm_stage makes this function). None: here.
+    warm: Optional[Callable[[Stage], dict]] = None
     # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use, or
     # handed in (a cluster's worker keys on its driver's, cudabuild.cluster_worker).
     _fingerprint: Optional[dict] = None
@@ -285,6 +289,10 @@ class Runner:
                 return self._note(stage, status)
         if self.delegate is not None:
             return self._note(stage, self._delegated(stage, decision))
+        if self.warm is not None:
+            status = self._run_warm(stage, span)
+            if status:
+                return self._note(stage, status)
         with self._key_lock(key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
@@ -295,6 +303,31 @@ class Runner:
             with lease:
                 self._run(stage, key, inputs, why)
         return self._note(stage, "ran")
+
+    def execute_here(self, stage: Stage) -> str:
+        """execute() without a stage span of its own: for a process that runs a stage for another,
+        whose span covers it (cudabuild.warm_stage)."""
+        with self.recorder.active():
+            return self._execute(stage, {})
+
+    def _run_warm(self, stage: Stage, span: dict) -> Optional[str]:
+        """Run the stage in a fork of the warm process (its pid goes in the stage's span); its
+        status, or None when no warm process can serve (the stage then runs here, and so do the
+        later ones of this process)."""
+        from cudabuild.engine.warm import WarmUnavailable
+
+        try:
+            outcome = self.warm(stage)
+        except WarmUnavailable as e:
+            terminal.warn(f"{e}; stages run in the build's own processes")
+            self.warm = None
+            return None
+        self.logs[stage.id] = self.log_path(stage)
+        span["warm"] = outcome.get("server")
+        self.recorder.adopt(outcome.get("events") or [])
+        if outcome.get("error") is not None:
+            raise outcome["error"]
+        return outcome["status"]
 
     def _claim(self, stage: Stage, key: str, inputs: dict):
         """(status, None) when the key can be restored now, else (None, a lease to build under).

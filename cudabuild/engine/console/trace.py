@@ -93,6 +93,16 @@ class Recorder:
             if end - start >= min_seconds * 1e6:
                 self.complete(name, start, end, category, **{**args, **extra})
 
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Phases in the block are this recorder's, with no span of its own around them (a warm
+        child's stage, whose span its caller records)."""
+        token = _current.set(self)
+        try:
+            yield
+        finally:
+            _current.reset(token)
+
     def take_own(self) -> list[dict]:
         """This process's events of this run, removed from its part file: what a cluster worker
         hands back to the driver with a stage it ran (it runs one stage at a time)."""
@@ -110,6 +120,12 @@ class Recorder:
                 if event.get("args", {}).get("run") == self.run_id:
                     taken.append(event)
         return taken
+
+    def adopt(self, events: list[dict]) -> None:
+        """Another process's events of this run (a warm child's, which ran a stage for this one),
+        as this process's own: one row per worker, however its stages ran."""
+        for event in events:
+            self._emit({k: v for k, v in event.items() if k not in ("pid", "tid")})
 
     def add_process(self, events: list[dict], name: str, host: str, pid: int) -> None:
         """Events recorded by another process, on another machine perhaps (a cluster worker's), as

@@ -1,0 +1,255 @@
+"""Warm processes: a stage runs in a fork of a process that imported torch already.
+
+Every stage that runs imports torch, ExecuTorch and inductor before it does anything: about 7 s
+on this project's 2-core machines, 10 s with two stages importing at once, 12 s for a Qwen3.5-MoE
+compile on the H200, in every build, cold or incremental, in each worker process. A rebuild that
+compiles one method for 25 s spent 9.6 s of it importing.
+
+So the first stage that must run starts a warm process (cudabuild/engine/warm_server.py, detached,
+one per cache and toolchain) that imports those libraries once and stays up until it has been idle
+for `$CUDABUILD_WARM_IDLE_SECONDS` (default IDLE_SECONDS). Each stage that runs is then a `call`:
+the warm process forks, and the child runs the stage with the caller's environment, working
+directory, sys.path and terminal. Only third-party libraries are imported before the fork; the
+project's code (cudabuild, the recipes, the models) is read from disk by each child, so an edit
+reaches the next build as it does without warm processes. What the child computes is what the
+caller would have: the same code on the same inputs, with the same environment.
+
+Which warm process serves a call is decided by a key over everything the imports could have
+read: the Python executable, sys.path, the environment variables libraries read when imported
+(IMPORT_TIME_ENV), the modules to import, the server's own source, and the cache it serves. A call
+whose key differs gets another process, so a changed environment is never served by a process
+that imported under the old one. Processes live under /tmp/cudabuild-warm-<uid>/ (a Unix socket's
+path must be short), named by that key, beside their logs.
+
+`$CUDABUILD_WARM=0` turns this off: each stage runs in the build's own processes, as before. A
+warm process that cannot start (within START_SECONDS) leaves the build to do the same. A no-op
+build starts none: only a stage that must run makes a call.
+
+Engine half: what runs in the child is handed in as "module:function" and a payload
+(cudabuild.warm_stage for a stage); the modules to import come from the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from cudabuild.engine.hashing import digest
+
+ENV = "CUDABUILD_WARM"
+IDLE_ENV = "CUDABUILD_WARM_IDLE_SECONDS"
+IDLE_SECONDS = 900.0
+# A cold import of torch, ExecuTorch and inductor takes 7-12 s; a loaded machine, longer.
+START_SECONDS = 180.0
+SERVER = Path(__file__).with_name("warm_server.py")
+# The server's exit status when it will not serve (warm_server.REFUSED; that file imports nothing
+# of cudabuild, nor is it imported), and how long that answer is kept for its key.
+REFUSED = 4
+REFUSED_DAYS = 1.0
+# Environment variables a library may read while it is imported (and keep): inductor's and
+# Triton's config, CUDA's, the C++ compiler's, the linker's, Python's own, threads.
+IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "TORCHINDUCTOR_", "INDUCTOR", "TRITON_", "CUDA", "NVIDIA", "OMP_", "MKL",
+                   "KMP_", "LD_", "PYTHON", "CC", "CXX", "PATH", "HOME", "TMPDIR", "USER", "XDG_")
+
+
+class WarmUnavailable(Exception):
+    """No warm process answers (it could not start, or the platform has no fork): run here instead."""
+
+
+def enabled(default: bool, environ=os.environ) -> bool:
+    """$CUDABUILD_WARM (1 or 0) where set, else `default`; never where Unix sockets cannot pass
+    file descriptors."""
+    value = environ.get(ENV, "").strip().lower()
+    wanted = default if not value else value not in ("0", "false", "off", "no")
+    return wanted and hasattr(socket, "send_fds")
+
+
+def idle_seconds(environ=os.environ) -> float:
+    try:
+        return float(environ.get(IDLE_ENV) or IDLE_SECONDS)
+    except ValueError:
+        return IDLE_SECONDS
+
+
+def folder() -> Path:
+    return Path("/tmp") / f"cudabuild-warm-{os.getuid()}"
+
+
+def server_key(cache_root: Path, modules: Sequence[str], environ=os.environ, path: Sequence[str] = ()) -> str:
+    return digest({
+        "python": sys.executable,
+        "path": list(path or sys.path),
+        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(IMPORT_TIME_ENV)},
+        "modules": list(modules),
+        "server": SERVER.read_bytes().decode(),
+        "cache": str(Path(cache_root).resolve()),
+    })[:24]
+
+
+@dataclass
+class WarmProcesses:
+    """The warm process of one cache, for the modules a pipeline's stages import."""
+
+    cache_root: Path
+    modules: Sequence[str]
+
+    def socket_path(self) -> Path:
+        return folder() / f"{server_key(self.cache_root, self.modules)}.sock"
+
+    def call(self, function: str, payload) -> object:
+        """`function(payload)` ("module:function") in a fresh fork of the warm process; returns
+        what it returns, raises what it raised. WarmUnavailable when no warm process can serve."""
+        conn = self._connect()
+        with conn:
+            call = {"function": function, "payload": payload, "environ": dict(os.environ), "cwd": os.getcwd(),
+                    "path": list(sys.path)}
+            data = pickle.dumps(call)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            with _stdio() as fds:
+                socket.send_fds(conn, [len(data).to_bytes(8, "big")], fds)
+            conn.sendall(data)
+            try:
+                answer = pickle.loads(_receive(conn))
+            except EOFError:
+                raise RuntimeError(f"the warm process's child for {function} ended without an answer "
+                                   f"(killed? its server's log: {self.log_path()})") from None
+        if "error" in answer:
+            if answer["error"] is not None:
+                raise answer["error"]
+            raise RuntimeError(f"in a warm process:\n{answer['traceback']}")
+        return answer["value"]
+
+    def log_path(self) -> Path:
+        return self.socket_path().with_suffix(".log")
+
+    def _connect(self) -> socket.socket:
+        path = self.socket_path()
+        conn = _try_connect(path)
+        if conn is not None:
+            return conn
+        self._raise_if_refused()
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one starter; the others wait here and then connect
+            conn = _try_connect(path)
+            if conn is not None:
+                return conn
+            self._raise_if_refused()  # the starter we waited for was refused
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a dead server's
+            with open(self.log_path(), "ab") as log:
+                server = subprocess.Popen(
+                    [sys.executable, str(SERVER), str(path), str(idle_seconds()), ",".join(self.modules)],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
+                    start_new_session=True)
+            path.with_suffix(".json").write_text(json.dumps(
+                {"cache": str(Path(self.cache_root).resolve()), "pid": server.pid, "modules": list(self.modules),
+                 "python": sys.executable, "started": time.time()}))
+            deadline = time.monotonic() + START_SECONDS
+            while time.monotonic() < deadline:
+                conn = _try_connect(path)
+                if conn is not None:
+                    return conn
+                if server.poll() is not None:
+                    break
+                time.sleep(0.05)
+            with contextlib.suppress(OSError):
+                server.kill()
+            if server.returncode == REFUSED:
+                self.refused_path().write_text(str(time.time()))
+                self._raise_if_refused()
+            raise WarmUnavailable(f"the warm process did not start (its log: {self.log_path()})")
+
+    def refused_path(self) -> Path:
+        return self.socket_path().with_suffix(".refused")
+
+    def _raise_if_refused(self) -> None:
+        """A server of this key that would not serve (its imports initialised the CUDA driver) is
+        not started again for REFUSED_DAYS: each try costs a build its whole import time."""
+        try:
+            age = time.time() - self.refused_path().stat().st_mtime
+        except OSError:
+            return
+        if age < REFUSED_DAYS * 86400:
+            raise WarmUnavailable(f"the warm process will not serve here: its imports initialise the CUDA driver, "
+                                  f"which forked stages could not use (its log: {self.log_path()})")
+
+
+
+def running() -> list[dict]:
+    """The warm processes of this user that answer: each one's cache, pid, modules, socket."""
+    found = []
+    for sidecar in sorted(folder().glob("*.json")):
+        sock = sidecar.with_suffix(".sock")
+        try:
+            process = json.loads(sidecar.read_text())
+            os.kill(int(process["pid"]), 0)  # alive (signal 0 delivers nothing)
+        except (OSError, ValueError, KeyError):
+            continue
+        if sock.exists():
+            found.append(dict(process, socket=str(sock)))
+    return found
+
+
+def stop(process: dict) -> None:
+    """Ask a warm process to go: it sees its socket gone, finishes the calls it is running, exits."""
+    with contextlib.suppress(OSError):
+        Path(process["socket"]).unlink()
+
+
+@contextlib.contextmanager
+def _stdio():
+    """fds 0, 1 and 2 to hand the child; /dev/null in place of any this process has closed."""
+    opened, fds = [], []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            opened.append(os.open(os.devnull, os.O_RDWR))
+            fds.append(opened[-1])
+    try:
+        yield fds
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _try_connect(path: Path) -> Optional[socket.socket]:
+    if not path.exists():
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def _receive(conn: socket.socket) -> bytes:
+    header = _exactly(conn, 8)
+    return _exactly(conn, int.from_bytes(header, "big"))
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

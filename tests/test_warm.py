@@ -1,0 +1,239 @@
+"""Warm processes (cudabuild.engine.warm): a call runs in a fork of a server that imported its
+modules already, with the caller's environment, directory, sys.path and terminal, and reads the
+project's code from disk each time; a stage that runs there gives the build it gives here.
+
+The engine tests start real servers with nothing to import (they come up at once); the build
+test starts one that imports torch and ExecuTorch, as a build does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cudabuild.engine import warm
+from conftest import assert_ok
+
+CALLS = '''
+import os, sys, time
+from pathlib import Path
+
+def answer(payload):
+    return {"value": payload * 2, "pid": os.getpid(), "server": os.getppid(), "cwd": os.getcwd(),
+            "flag": os.environ.get("WARM_TEST_FLAG"), "path0": sys.path[0]}
+
+def version(payload):
+    return VERSION
+
+def fails(payload):
+    raise KeyError(payload)
+
+def prints(payload):
+    print("from the child", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    return True
+
+def sleeps(payload):
+    Path(payload).write_text(str(os.getpid()))
+    time.sleep(120)
+'''
+
+
+@pytest.fixture
+def calls(tmp_path, monkeypatch):
+    """A module of functions to call, importable by the caller's sys.path (which the child takes),
+    and a warm process of its own cache, stopped afterwards."""
+    folder = tmp_path / "mods"
+    folder.mkdir()
+    (folder / "warm_calls.py").write_text(CALLS.replace("return VERSION", "return 1"))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv(warm.IDLE_ENV, "60")
+    processes = warm.WarmProcesses(tmp_path / "cache", ())
+    yield processes, folder
+    for process in warm.running():
+        if process["cache"] == str((tmp_path / "cache").resolve()):
+            warm.stop(process)
+
+
+def test_a_call_runs_in_a_fork_of_one_server_with_the_callers_environment(calls, tmp_path, monkeypatch):
+    processes, folder = calls
+    monkeypatch.setenv("WARM_TEST_FLAG", "first")
+    monkeypatch.chdir(tmp_path)
+    one = processes.call("warm_calls:answer", 21)
+    assert one["value"] == 42
+    assert one["pid"] != os.getpid() and one["server"] != os.getpid()
+    assert one["cwd"] == str(tmp_path) and one["flag"] == "first" and one["path0"] == str(folder)
+    # A variable no library reads at import time: the same server, the new value.
+    monkeypatch.setenv("WARM_TEST_FLAG", "second")
+    two = processes.call("warm_calls:answer", 1)
+    assert two["server"] == one["server"] and two["pid"] != one["pid"] and two["flag"] == "second"
+    listed = [p for p in warm.running() if p["cache"] == str((tmp_path / "cache").resolve())]
+    assert [p["pid"] for p in listed] == [one["server"]]
+    # One that a library may read when imported: another server.
+    monkeypatch.setenv("TORCHINDUCTOR_WARM_TEST", "1")
+    assert processes.call("warm_calls:answer", 1)["server"] != one["server"]
+
+
+def test_the_projects_code_is_read_again_by_every_call(calls):
+    processes, folder = calls
+    assert processes.call("warm_calls:version", None) == 1
+    source = folder / "warm_calls.py"
+    source.write_text(source.read_text().replace("return 1", "return 2"))
+    assert processes.call("warm_calls:version", None) == 2
+
+
+def test_an_error_is_raised_in_the_caller_and_output_reaches_its_terminal(calls, capfd):
+    processes, _ = calls
+    with pytest.raises(KeyError, match="missing"):
+        processes.call("warm_calls:fails", "missing")
+    assert processes.call("warm_calls:prints", None) is True
+    printed = capfd.readouterr()
+    assert "from the child" in printed.out and "to stderr" in printed.err
+
+
+def test_a_caller_that_is_killed_takes_its_call_with_it(calls, tmp_path):
+    processes, folder = calls
+    pid_file = tmp_path / "child.pid"
+    script = (f"import sys; sys.path.insert(0, {str(folder)!r}); from cudabuild.engine import warm; "
+              f"warm.WarmProcesses({str(tmp_path / 'cache')!r}, ()).call('warm_calls:sleeps', {str(pid_file)!r})")
+    caller = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    os.kill(caller.pid, signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the call outlived its caller"
+
+
+def test_an_idle_server_exits_and_a_stopped_one_goes(tmp_path, monkeypatch, calls):
+    processes, _ = calls
+    monkeypatch.setenv(warm.IDLE_ENV, "1")
+    short = warm.WarmProcesses(tmp_path / "short", ())
+    server = short.call("warm_calls:answer", 0)["server"]
+    deadline = time.monotonic() + 30
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(server) and not short.socket_path().exists()
+    monkeypatch.setenv(warm.IDLE_ENV, "600")
+    server = processes.call("warm_calls:answer", 0)["server"]
+    for process in warm.running():
+        if process["pid"] == server:
+            warm.stop(process)
+    deadline = time.monotonic() + 30
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(server)
+
+
+# A library in the CUDA driver's place (its soname, its cuDeviceGetCount) that answers as the real
+# one does before cuInit (3, CUDA_ERROR_NOT_INITIALIZED) or after it (0): what the warm server
+# reads to decide whether a fork could still use CUDA. CPU machines have no driver to load.
+DRIVER_SOURCE = "int cuDeviceGetCount(int *count) { *count = 1; return STATUS; }\n"
+LOADS_DRIVER = "import ctypes\nctypes.CDLL({library!r})\n"
+
+
+def _driver_loading_module(folder: Path, status: int) -> str:
+    """A module that maps a stand-in driver answering `status` when imported; its name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "driver.c"
+    source.write_text(DRIVER_SOURCE.replace("STATUS", str(status)))
+    library = folder / "libcuda.so.1"
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(library), str(source)], check=True)
+    (folder / f"loads_driver_{status}.py").write_text(LOADS_DRIVER.format(library=str(library)))
+    return f"loads_driver_{status}"
+
+
+def test_a_server_whose_imports_initialised_the_driver_is_refused_once_and_remembered(calls, tmp_path, monkeypatch):
+    _, folder = calls
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "driver"), str(folder)]))
+    # Mapped but not initialised (torch's CUDA build, once imported): the server serves.
+    mapped = warm.WarmProcesses(tmp_path / "cache", (_driver_loading_module(tmp_path / "driver", 3),))
+    assert mapped.call("warm_calls:answer", 1)["value"] == 2
+    # Initialised (inductor's import calls cuInit on a GPU machine): refused, and remembered.
+    initialised = warm.WarmProcesses(tmp_path / "cache", (_driver_loading_module(tmp_path / "driver", 0),))
+    with pytest.raises(warm.WarmUnavailable, match="initialise the CUDA driver"):
+        initialised.call("warm_calls:answer", 1)
+    assert initialised.refused_path().exists()
+    log = initialised.log_path().read_text()
+    assert log.count("not serving") == 1
+    started = time.monotonic()
+    with pytest.raises(warm.WarmUnavailable, match="initialise the CUDA driver"):
+        initialised.call("warm_calls:answer", 1)
+    assert initialised.log_path().read_text() == log, "a refused server was started again"
+    assert time.monotonic() - started < 1.0
+    # A day later the question is asked again.
+    stale = time.time() - warm.REFUSED_DAYS * 86400 - 60
+    os.utime(initialised.refused_path(), (stale, stale))
+    with pytest.raises(warm.WarmUnavailable):
+        initialised.call("warm_calls:answer", 1)
+    assert initialised.log_path().read_text().count("not serving") == 2
+
+
+def test_off_by_switch_and_by_default_only_where_asked(monkeypatch):
+    assert warm.enabled(default=True, environ={}) and not warm.enabled(default=False, environ={})
+    assert warm.enabled(default=False, environ={warm.ENV: "1"})
+    assert not warm.enabled(default=True, environ={warm.ENV: "0"})
+
+
+@pytest.mark.slow
+def test_a_stage_run_warm_is_the_stage_run_here(tiny_copy, tmp_path):
+    """A spec change built with warm processes and without: the same bytes; the warm build's
+    compile ran in the warm server's child, with its phases in the timeline; the same server runs
+    the next build's."""
+    cold = tiny_copy.copy(tmp_path / "without")
+    change = "decode.emulate_precision_casts=OFF"
+    assert_ok(cold.export("model=tiny_lm", "target=cpu", change))
+    warm_env = tiny_copy.env(CUDABUILD_WARM=1, CUDABUILD_WARM_IDLE_SECONDS=60)
+    try:
+        assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu", change, env=warm_env))
+        assert tiny_copy.statuses()["compile.decode"] == "ran"
+        assert tiny_copy.manifest()["outputs"] == cold.manifest()["outputs"]
+        listed = tiny_copy.cudabuild("warm", CUDABUILD_WARM="1").stdout
+        server = int(listed.split()[1])
+        compile_span, inside = _compile_decode(tiny_copy)
+        assert compile_span["args"]["warm"] == server
+        assert {"run", "AOTInductor"} <= set(inside)
+        # Torch was imported before the fork: the stage's own imports are the project's modules
+        # (an `import` phase is kept from 0.05 s). Without warm processes it imports torch itself.
+        assert inside.get("import", 0.0) < 1.0 <= _compile_decode(cold)[1]["import"], (inside, _compile_decode(cold)[1])
+        # The next change (a spec neither build had, so compile runs again): the same server.
+        assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu", "decode.compile_wrapper_opt_level=O0", env=warm_env))
+        assert _compile_decode(tiny_copy)[0]["args"]["warm"] == server
+        assert tiny_copy.stamp("compile.decode")["status"] == "ran"
+    finally:
+        tiny_copy.cudabuild("warm", "stop", CUDABUILD_WARM="1")
+    assert "no warm process" in tiny_copy.cudabuild("warm").stdout
+
+
+def _compile_decode(project) -> tuple[dict, dict[str, float]]:
+    """The last build's compile.decode span, and the seconds of each phase recorded inside it."""
+    events = json.loads((project.build_dir / "trace.json").read_text())["traceEvents"]
+    span = next(e for e in events if e["name"] == "compile.decode" and e["args"].get("step") == "execute")
+    inside: dict[str, float] = {}
+    for e in events:
+        if e["pid"] == span["pid"] and span["ts"] <= e["ts"] <= span["ts"] + span["dur"] and e is not span:
+            inside[e["name"]] = inside.get(e["name"], 0.0) + e.get("dur", 0) / 1e6
+    return span, inside
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
