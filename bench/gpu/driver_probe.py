@@ -1,0 +1,73 @@
+"""Which of a warm process's imports map the CUDA driver (libcuda.so), and which initialise it
+(cuInit), on this machine: a fork is unusable for CUDA only after the second.
+
+    python3 bench/gpu/driver_probe.py [--target cuda]     prints one JSON line per module
+
+With --who, torch's entry points that may initialise the driver are wrapped once torch is
+imported, and the Python stack of the first call that left the driver initialised is printed:
+the line of the import that made a warm process refuse to serve (on the H100, torch 2.11.0+cu130:
+within torch._inductor.compile_fx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import time
+import traceback
+
+from cudabuild.pipeline import PIPELINE
+
+
+def driver_state() -> str:
+    with open("/proc/self/maps") as maps:
+        if not any("libcuda.so" in line for line in maps):
+            return "unmapped"
+    count = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count))
+    return "mapped, not initialised" if status == 3 else f"initialised (cuDeviceGetCount -> {status}, {count.value})"
+
+
+def watch_initialisers() -> None:
+    """Wrap what can call cuInit; print the stack of the first call after which it was called."""
+    import torch
+
+    def wrapped(owner, name):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            before = driver_state()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if not before.startswith("initialised") and driver_state().startswith("initialised"):
+                    print(json.dumps({"initialised_by": f"{owner.__name__}.{name}",
+                                      "stack": traceback.format_stack()[-12:-1]}), flush=True)
+        setattr(owner, name, call)
+
+    for owner, name in ((torch.cuda, "is_available"), (torch.cuda, "device_count"), (torch.cuda, "_lazy_init"),
+                        (torch.cuda, "get_device_capability"), (torch.cuda, "get_device_properties"),
+                        (torch._C, "_cuda_getDeviceCount")):
+        if hasattr(owner, name):
+            wrapped(owner, name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default="cuda")
+    parser.add_argument("--who", action="store_true")
+    args = parser.parse_args()
+    modules = PIPELINE.warm_imports(args.target)
+    for name in modules:
+        started = time.monotonic()
+        importlib.import_module(name)
+        if args.who and name == "torch":
+            watch_initialisers()
+        print(json.dumps({"module": name, "seconds": round(time.monotonic() - started, 2), "driver": driver_state()}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the GPU machine (the device tool's working tree), after bench/gpu/prepare.sh here:
+#   bash bench/gpu/session.sh CASE [CASE...]      results under $OUT/<case>/, logs tarred
+# Cases (each a bench script with the time budget of one call):
+#   tiny      bench/cuda_target.py cold,keepkernels,second,layer,stock with warm processes on (CUDABUILD_WARM=1)
+#   tinycold  bench/cuda_target.py cold,keepkernels,stock with them off: the same figures the old way
+#   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
+#   tests     the GPU tests of the cuda target
+#   driver    which warm imports map or initialise the CUDA driver (bench/gpu/driver_probe.py)
+# BUDGET (seconds, default 540) bounds the cases' own budgets; the call's limit is 600 s.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+BUDGET=${BUDGET:-540}
+if [ ! -d /tmp/site/executorch ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "session: the wheels did not install"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export CUDABUILD_KERNEL_CACHE=${CUDABUILD_KERNEL_CACHE:-/tmp/cb-kernels}
+export PATH=/tmp/site/bin:$PATH
+# A call returns at most 8 files: cases.txt, then per case its results' JSON and one tarball.
+{ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  python3 -c "import torch, executorch, triton; print(torch.__version__, executorch.__version__, triton.__version__)"
+} > "$OUT/cases.txt" 2>&1
+started=$(date +%s)
+for case in "$@"; do
+  left=$((BUDGET - ($(date +%s) - started)))
+  dir="$OUT/$case"; mkdir -p "$dir"
+  case $case in
+    tiny)     CUDABUILD_WARM=1 python3 bench/cuda_target.py --cases cold,keepkernels,second,layer,stock --budget "$left" --out "$dir/r" ;;
+    tinycold) CUDABUILD_WARM=0 python3 bench/cuda_target.py --cases cold,keepkernels,stock --budget "$left" --out "$dir/r" ;;
+    qwen)     python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
+    tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
+    driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;
+    *)        echo "session: unknown case $case"; continue ;;
+  esac > "$dir/stdout.txt" 2>&1
+  echo "$case: rc=$? after $(( $(date +%s) - started )) s" | tee -a "$OUT/cases.txt"
+  [ -f "$dir/r/cuda_target.json" ] && cp "$dir/r/cuda_target.json" "$OUT/$case.json"
+  [ -f "$dir/r/qwen_moe_cuda.json" ] && cp "$dir/r/qwen_moe_cuda.json" "$OUT/$case.json"
+  grep -h "CPU ISA probe\|warm:" "$dir"/r/logs-*/*.log /tmp/cudabuild-warm-*/*.log 2>/dev/null | sort | uniq -c > "$dir/probes.txt"
+  tar -C "$OUT" -czf "$OUT/$case.tgz" "$case" && rm -rf "$dir"
+done
+ls -la "$OUT"
