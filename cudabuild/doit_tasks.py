@@ -187,10 +187,11 @@ def make_runner(cli: dict[str, str]) -> Runner:
 
 def with_warm(runner: Runner, settings: dict[str, str]) -> Runner:
     """The runner, its stages that must run sent to the cache's warm process (cudabuild.engine.warm):
-    by default on cpu, with CUDABUILD_WARM=1 on a device too (not yet measured on one), never with
-    CUDABUILD_WARM=0. None is started before a stage must run."""
-    if warm.enabled(default=runner.config.target == "cpu"):
-        runner.warm = warm_stage.for_build(runner, settings)
+    by default on cpu, with CUDABUILD_WARM=1 on a device too (where, on the GPU machine, the server
+    refuses: inductor's import initialises the CUDA driver), never with CUDABUILD_WARM=0. None is
+    started before a stage must run (cudabuild.warm_stage says when one is)."""
+    if runner.delegate is None and warm.enabled(default=runner.config.target == "cpu"):
+        runner.warm = warm_stage.WarmStages(runner, settings)
     return runner
 
 
@@ -245,6 +246,8 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
             manifest = runner.write_manifest()
         runner.recorder.merge(trace.process_start_us(), trace.now_us(), model=manifest["model"], target=manifest["target"])
         print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir)
+        if isinstance(runner.warm, warm_stage.WarmStages):  # (None where it could not serve this build)
+            runner.warm.after_build([entry["status"] for entry in manifest["stages"]])
         return True
 
     yield {

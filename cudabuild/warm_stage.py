@@ -1,6 +1,6 @@
 """A stage that must run, run in a fork of the cache's warm process (cudabuild.engine.warm).
 
-`for_build(runner, settings)` is the Runner's `warm` function for one build. It hands the warm
+`WarmStages(runner, settings)` is the Runner's `warm` function for one build. It hands the warm
 process what configures the same build (the project and the command line's settings) and names
 the stage; `run_stage` runs in the forked child: it loads the build's configuration from the
 project on disk (the child's cudabuild and recipes are read fresh), makes a Runner on the same
@@ -13,7 +13,7 @@ own), or the CudabuildError that stopped it, which the caller raises as its own.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from cudabuild.engine.graph import Stage
 from cudabuild.engine.runner import Runner
@@ -22,16 +22,34 @@ from cudabuild.engine.warm import WarmProcesses
 FUNCTION = "cudabuild.warm_stage:run_stage"
 
 
-def for_build(runner: Runner, settings: Mapping[str, str]) -> Callable[[Stage], dict]:
-    processes = WarmProcesses(runner.store.root, runner.pipeline.warm_imports(runner.config.target))
+class WarmStages:
+    """The Runner's `warm` function for one build: runs a stage in a fork of the cache's warm
+    process. Made when the build starts, so the process's key is of the build's environment and
+    sys.path before any stage could change them."""
 
-    def run(stage: Stage) -> dict:
-        payload = {"project": str(runner.config.project), "settings": dict(settings),
+    def __init__(self, runner: Runner, settings: Mapping[str, str]):
+        self.runner, self.settings = runner, dict(settings)
+        self.processes = WarmProcesses(runner.store.root, runner.pipeline.warm_imports(runner.config.target))
+        # Several workers would each import torch: one warm process, started now if need be,
+        # imports it once for all. A build of one worker imports it once anyway, and its later
+        # stages then keep inductor's in-memory state, which a fork of the server starts without
+        # (measured on 2 cores, tiny_lm cold with one worker: 38.0 s through a server the build
+        # started, 35.3 s without one). It uses a server only if one answers already, and
+        # after_build starts one for the next build.
+        self.start = runner.workers > 1
+
+    def __call__(self, stage: Stage) -> dict:
+        runner = self.runner
+        payload = {"project": str(runner.config.project), "settings": self.settings,
                    "stage": [stage.kind, stage.method], "run": runner.run_id, "fingerprint": runner.fingerprint(),
                    "workers": runner.workers, "capture_output": runner.capture_output, "cache": str(runner.store.root)}
-        return processes.call(FUNCTION, payload)
+        return self.processes.call(FUNCTION, payload, start=self.start)
 
-    return run
+    def after_build(self, statuses: list[str]) -> bool:
+        """Once a build that ran stages is done, start the warm process in the background for the
+        next build (an edit's or a spec change's stage then imports nothing), unless one answers
+        already. Detached: this build's exit does not wait for its imports."""
+        return "ran" in statuses and self.processes.start_in_background()
 
 
 def run_stage(payload: dict) -> dict:

@@ -314,10 +314,12 @@ class Runner:
         """Run the stage in a fork of the warm process (its pid goes in the stage's span); its
         status, or None when no warm process can serve (the stage then runs here, and so do the
         later ones of this process)."""
-        from cudabuild.engine.warm import WarmUnavailable
+        from cudabuild.engine.warm import WarmNotRunning, WarmUnavailable
 
         try:
             outcome = self.warm(stage)
+        except WarmNotRunning:  # none up, and this build does not start one: run here, no warning
+            return None
         except WarmUnavailable as e:
             terminal.warn(f"{e}; stages run in the build's own processes")
             self.warm = None

@@ -42,8 +42,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
+from cudabuild.engine import warm_server
 from cudabuild.engine.hashing import digest
 
 ENV = "CUDABUILD_WARM"
@@ -52,9 +53,7 @@ IDLE_SECONDS = 900.0
 # A cold import of torch, ExecuTorch and inductor takes 7-12 s; a loaded machine, longer.
 START_SECONDS = 180.0
 SERVER = Path(__file__).with_name("warm_server.py")
-# The server's exit status when it will not serve (warm_server.REFUSED; that file imports nothing
-# of cudabuild, nor is it imported), and how long that answer is kept for its key.
-REFUSED = 4
+# How long a server's refusal to serve (warm_server.REFUSED) is kept for its key.
 REFUSED_DAYS = 1.0
 # Environment variables a library may read while it is imported (and keep): inductor's and
 # Triton's config, CUDA's, the C++ compiler's, the linker's, Python's own, threads.
@@ -64,6 +63,11 @@ IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "TORCHINDUCTOR_", "INDUCTOR", "TRITON_", 
 
 class WarmUnavailable(Exception):
     """No warm process answers (it could not start, or the platform has no fork): run here instead."""
+
+
+class WarmNotRunning(WarmUnavailable):
+    """None answers now, and the caller asked not to start one (cudabuild.warm_stage: a build that
+    runs every stage in one process, where a start would cost what it saves)."""
 
 
 def enabled(default: bool, environ=os.environ) -> bool:
@@ -103,13 +107,21 @@ class WarmProcesses:
     cache_root: Path
     modules: Sequence[str]
 
-    def socket_path(self) -> Path:
-        return folder() / f"{server_key(self.cache_root, self.modules)}.sock"
+    def __post_init__(self):
+        # Keyed once, by the environment and sys.path of now (a build's start): a caller's stages
+        # add to its sys.path (a project's folder) and the libraries they import set variables
+        # of their own, and its later calls, and the server it starts as it ends, must still be
+        # the same key's.
+        self._socket = folder() / f"{server_key(self.cache_root, self.modules)}.sock"
 
-    def call(self, function: str, payload) -> object:
+    def socket_path(self) -> Path:
+        return self._socket
+
+    def call(self, function: str, payload, start: bool = True) -> object:
         """`function(payload)` ("module:function") in a fresh fork of the warm process; returns
-        what it returns, raises what it raised. WarmUnavailable when no warm process can serve."""
-        conn = self._connect()
+        what it returns, raises what it raised. WarmUnavailable when no warm process can serve;
+        with start=False, WarmNotRunning when none answers now (and none is started)."""
+        conn = self._connect(start)
         with conn:
             call = {"function": function, "payload": payload, "environ": dict(os.environ), "cwd": os.getcwd(),
                     "path": list(sys.path)}
@@ -118,10 +130,10 @@ class WarmProcesses:
                 with contextlib.suppress(Exception):
                     stream.flush()
             with _stdio() as fds:
-                socket.send_fds(conn, [len(data).to_bytes(8, "big")], fds)
+                socket.send_fds(conn, [warm_server.HEADER.pack(len(data))], fds)
             conn.sendall(data)
             try:
-                answer = pickle.loads(_receive(conn))
+                answer = pickle.loads(warm_server.receive(conn))
             except EOFError:
                 raise RuntimeError(f"the warm process's child for {function} ended without an answer "
                                    f"(killed? its server's log: {self.log_path()})") from None
@@ -134,29 +146,20 @@ class WarmProcesses:
     def log_path(self) -> Path:
         return self.socket_path().with_suffix(".log")
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, start: bool) -> socket.socket:
         path = self.socket_path()
         conn = _try_connect(path)
         if conn is not None:
             return conn
+        if not start:
+            raise WarmNotRunning(f"no warm process answers at {path}")
         self._raise_if_refused()
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one starter; the others wait here and then connect
+        with self._starter_lock(blocking=True):  # one starter; the others wait here and then connect
             conn = _try_connect(path)
             if conn is not None:
                 return conn
             self._raise_if_refused()  # the starter we waited for was refused
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a dead server's
-            with open(self.log_path(), "ab") as log:
-                server = subprocess.Popen(
-                    [sys.executable, str(SERVER), str(path), str(idle_seconds()), ",".join(self.modules)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
-                    start_new_session=True)
-            path.with_suffix(".json").write_text(json.dumps(
-                {"cache": str(Path(self.cache_root).resolve()), "pid": server.pid, "modules": list(self.modules),
-                 "python": sys.executable, "started": time.time()}))
+            server = self._spawn()
             deadline = time.monotonic() + START_SECONDS
             while time.monotonic() < deadline:
                 conn = _try_connect(path)
@@ -167,10 +170,51 @@ class WarmProcesses:
                 time.sleep(0.05)
             with contextlib.suppress(OSError):
                 server.kill()
-            if server.returncode == REFUSED:
-                self.refused_path().write_text(str(time.time()))
+            if server.wait() == warm_server.REFUSED:
                 self._raise_if_refused()
             raise WarmUnavailable(f"the warm process did not start (its log: {self.log_path()})")
+
+    def start_in_background(self) -> bool:
+        """Start this key's server for a later build and return at once; False where one answers
+        already, another caller is starting one, or this key's server was refused."""
+        if _try_connect_quietly(self.socket_path()):
+            return False
+        try:
+            self._raise_if_refused()
+        except WarmUnavailable:
+            return False
+        with self._starter_lock(blocking=False) as locked:
+            if not locked or _try_connect_quietly(self.socket_path()):
+                return False
+            self._spawn()
+            return True
+
+    @contextlib.contextmanager
+    def _starter_lock(self, blocking: bool) -> Iterator[bool]:
+        path = self.socket_path()
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+
+    def _spawn(self) -> subprocess.Popen:
+        """A new server for this key, detached from the caller (it outlives the build)."""
+        path = self.socket_path()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a dead server's
+        with open(self.log_path(), "ab") as log:
+            server = subprocess.Popen(
+                [sys.executable, str(SERVER), str(path), str(idle_seconds()), ",".join(self.modules)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
+                start_new_session=True)
+        path.with_suffix(".json").write_text(json.dumps(
+            {"cache": str(Path(self.cache_root).resolve()), "pid": server.pid, "modules": list(self.modules),
+             "python": sys.executable, "started": time.time()}))
+        return server
 
     def refused_path(self) -> Path:
         return self.socket_path().with_suffix(".refused")
@@ -227,6 +271,14 @@ def _stdio():
             os.close(fd)
 
 
+def _try_connect_quietly(path: Path) -> bool:
+    conn = _try_connect(path)
+    if conn is None:
+        return False
+    conn.close()  # the server's child sees a caller that connected and left, and exits
+    return True
+
+
 def _try_connect(path: Path) -> Optional[socket.socket]:
     if not path.exists():
         return None
@@ -237,19 +289,3 @@ def _try_connect(path: Path) -> Optional[socket.socket]:
         conn.close()
         return None
     return conn
-
-
-def _receive(conn: socket.socket) -> bytes:
-    header = _exactly(conn, 8)
-    return _exactly(conn, int.from_bytes(header, "big"))
-
-
-def _exactly(conn: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)

@@ -17,7 +17,9 @@ a caller that is gone (a build interrupted) ends the child, and so the stage it 
 
 The server exits after IDLE_SECONDS without a call and with no child left, or as soon as SOCKET
 is no longer its own (another server took the name), and removes the socket it made.
-Standard library only, on purpose: see above.
+Standard library only, on purpose: see above. The caller's side (cudabuild.engine.warm) imports
+this module for the framing (HEADER, send, receive) and the REFUSED exit status, so the two
+agree by construction.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def main() -> None:
         # A CUDA driver initialised before fork cannot be used by the children (nor re-initialised).
         print("warm: an import initialised the CUDA driver, which forked children could not use: not serving",
               flush=True)
+        with open(os.path.splitext(path)[0] + ".refused", "w") as refused:  # read by the callers of this key
+            refused.write(str(time.time()))
         sys.exit(REFUSED)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     temporary = f"{path}.{os.getpid()}"
