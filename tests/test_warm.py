@@ -173,12 +173,18 @@ def test_a_server_whose_imports_initialised_the_driver_is_refused_once_and_remem
         initialised.call("warm_calls:answer", 1)
     assert initialised.log_path().read_text() == log, "a refused server was started again"
     assert time.monotonic() - started < 1.0
+    # A week-old server's files, its socket gone, are removed when another server starts.
+    stale_log = warm.folder() / "0123456789abcdef01234567.log"
+    stale_log.write_text("warm: idle, exiting\n")
+    week_ago = time.time() - warm.STALE_DAYS * 86400 - 60
+    os.utime(stale_log, (week_ago, week_ago))
     # A day later the question is asked again.
     stale = time.time() - warm.REFUSED_DAYS * 86400 - 60
     os.utime(initialised.refused_path(), (stale, stale))
     with pytest.raises(warm.WarmUnavailable):
         initialised.call("warm_calls:answer", 1)
     assert initialised.log_path().read_text().count("not serving") == 2
+    assert not stale_log.exists()
 
 
 def test_off_by_switch_and_by_default_only_where_asked(monkeypatch):

@@ -55,6 +55,9 @@ START_SECONDS = 180.0
 SERVER = Path(__file__).with_name("warm_server.py")
 # How long a server's refusal to serve (warm_server.REFUSED) is kept for its key.
 REFUSED_DAYS = 1.0
+# A server's files (log, sidecar, lock, refusal) are removed this long after they last changed,
+# once its socket is gone.
+STALE_DAYS = 7.0
 # Environment variables a library may read while it is imported (and keep): inductor's and
 # Triton's config, CUDA's, the C++ compiler's, the linker's, Python's own, threads.
 IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "TORCHINDUCTOR_", "INDUCTOR", "TRITON_", "CUDA", "NVIDIA", "OMP_", "MKL",
@@ -204,6 +207,7 @@ class WarmProcesses:
     def _spawn(self) -> subprocess.Popen:
         """A new server for this key, detached from the caller (it outlives the build)."""
         path = self.socket_path()
+        _prune(path.parent, keep=path.stem)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a dead server's
         with open(self.log_path(), "ab") as log:
@@ -269,6 +273,18 @@ def _stdio():
     finally:
         for fd in opened:
             os.close(fd)
+
+
+def _prune(where: Path, keep: str) -> None:
+    """Remove the files of servers long gone (their logs, sidecars, locks and refusals: a key a
+    day, each changed environment or cache another), so the folder does not grow for ever."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for entry in where.iterdir():
+        if entry.stem == keep or entry.with_suffix(".sock").exists():
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat().st_mtime < cutoff:
+                entry.unlink()
 
 
 def _try_connect_quietly(path: Path) -> bool:
