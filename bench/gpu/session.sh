@@ -21,7 +21,7 @@ export CUDABUILD_KERNEL_CACHE=${CUDABUILD_KERNEL_CACHE:-/tmp/cb-kernels}
 export PATH=/tmp/site/bin:$PATH
 # A call returns at most 8 files: cases.txt, then per case its results' JSON and one tarball.
 { nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-  python3 -c "import torch, executorch, triton; print(torch.__version__, executorch.__version__, triton.__version__)"
+  python3 -c "import importlib.metadata as m, torch, triton; print(torch.__version__, m.version(\"executorch\"), triton.__version__)"
 } > "$OUT/cases.txt" 2>&1
 started=$(date +%s)
 for case in "$@"; do
