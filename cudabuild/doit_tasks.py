@@ -340,8 +340,7 @@ def task_nightly():
                 delegate = pool.delegate({"project": str(project), "settings": dict(cli, model=model, target=config.target)})
             runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS,
                             delegate=delegate)
-            if delegate is None:
-                with_warm(runner, dict(cli, model=model, target=config.target))
+            with_warm(runner, dict(cli, model=model, target=config.target))
             builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 
     for build, (runner, _) in builds.items():

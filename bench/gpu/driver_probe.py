@@ -12,22 +12,13 @@ within torch._inductor.compile_fx).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import time
 import traceback
 
+from cudabuild.engine.warm_server import device_driver_state as driver_state
 from cudabuild.pipeline import PIPELINE
-
-
-def driver_state() -> str:
-    with open("/proc/self/maps") as maps:
-        if not any("libcuda.so" in line for line in maps):
-            return "unmapped"
-    count = ctypes.c_int()
-    status = ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count))
-    return "mapped, not initialised" if status == 3 else f"initialised (cuDeviceGetCount -> {status}, {count.value})"
 
 
 def watch_initialisers() -> None:
@@ -42,7 +33,7 @@ def watch_initialisers() -> None:
             try:
                 return original(*args, **kwargs)
             finally:
-                if not before.startswith("initialised") and driver_state().startswith("initialised"):
+                if before != "initialised" and driver_state() == "initialised":
                     print(json.dumps({"initialised_by": f"{owner.__name__}.{name}",
                                       "stack": traceback.format_stack()[-12:-1]}), flush=True)
         setattr(owner, name, call)

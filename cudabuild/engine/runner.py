@@ -312,8 +312,8 @@ class Runner:
 
     def _run_warm(self, stage: Stage, span: dict) -> Optional[str]:
         """Run the stage in a fork of the warm process (its pid goes in the stage's span); its
-        status, or None when no warm process can serve (the stage then runs here, and so do the
-        later ones of this process)."""
+        status, or None when the stage is to run here: none answers and this build starts none
+        (later stages ask again), or none could serve (later ones of this process run here too)."""
         from cudabuild.engine.warm import WarmNotRunning, WarmUnavailable
 
         try:

@@ -5,9 +5,10 @@ on this project's 2-core machines, 10 s with two stages importing at once, 12 s 
 compile on the H200, in every build, cold or incremental, in each worker process. A rebuild that
 compiles one method for 25 s spent 9.6 s of it importing.
 
-So the first stage that must run starts a warm process (cudabuild/engine/warm_server.py, detached,
-one per cache and toolchain) that imports those libraries once and stays up until it has been idle
-for `$CUDABUILD_WARM_IDLE_SECONDS` (default IDLE_SECONDS). Each stage that runs is then a `call`:
+So a build starts a warm process (cudabuild/engine/warm_server.py, detached, one per cache and
+toolchain; cudabuild.warm_stage says when: a build of several workers at its first stage that must
+run, a build of one worker as it ends) that imports those libraries once and stays up until it
+has been idle for `$CUDABUILD_WARM_IDLE_SECONDS` (default IDLE_SECONDS). Each stage that runs is then a `call`:
 the warm process forks, and the child runs the stage with the caller's environment, working
 directory, sys.path and terminal. Only third-party libraries are imported before the fork; the
 project's code (cudabuild, the recipes, the models) is read from disk by each child, so an edit
@@ -16,8 +17,8 @@ caller would have: the same code on the same inputs, with the same environment.
 
 Which warm process serves a call is decided by a key over everything the imports could have
 read: the Python executable, sys.path, the environment variables libraries read when imported
-(IMPORT_TIME_ENV), the modules to import, the server's own source, and the cache it serves. A call
-whose key differs gets another process, so a changed environment is never served by a process
+(IMPORT_TIME_ENV), the modules to import, the server's own source, and the cache it serves, taken
+when a WarmProcesses is made (a build's start). A caller whose key differs gets another process, so a changed environment is never served by a process
 that imported under the old one. Processes live under /tmp/cudabuild-warm-<uid>/ (a Unix socket's
 path must be short), named by that key, beside their logs.
 

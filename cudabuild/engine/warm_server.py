@@ -36,8 +36,9 @@ import time
 import traceback
 
 HEADER = struct.Struct("!Q")
-# The exit status of a server that will not serve (its imports initialised the CUDA driver): the
-# caller remembers it for this server's key (cudabuild.engine.warm) rather than start it again.
+# The exit status of a server that will not serve (its imports initialised the CUDA driver). It
+# leaves SOCKET's name with the suffix .refused beside it, which the callers of its key read
+# (cudabuild.engine.warm.WarmProcesses.refused_path) rather than start it again.
 REFUSED = 4
 CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -131,7 +132,7 @@ def main() -> None:
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # this file's folder (cudabuild/engine) is no import root
     _preload(modules)
-    if _device_driver_initialised():
+    if device_driver_state() == "initialised":
         # A CUDA driver initialised before fork cannot be used by the children (nor re-initialised).
         print("warm: an import initialised the CUDA driver, which forked children could not use: not serving",
               flush=True)
@@ -174,25 +175,28 @@ def main() -> None:
         pass
 
 
-def _device_driver_initialised() -> bool:
-    """Whether an import called cuInit. Only that makes a fork unusable: torch's CUDA build maps
-    libcuda.so when imported (found on the GPU machine, torch 2.11.0+cu130) without initialising
-    it. The driver answers any call before cuInit with CUDA_ERROR_NOT_INITIALIZED, and asking
-    cuDeviceGetCount initialises nothing, so it tells the two apart."""
+def device_driver_state() -> str:
+    """"unmapped", "mapped, not initialised" or "initialised": whether an import called cuInit.
+    Only that makes a fork unusable: torch's CUDA build maps libcuda.so when imported (found on
+    the GPU machine, torch 2.11.0+cu130) without initialising it. The driver answers any call
+    before cuInit with CUDA_ERROR_NOT_INITIALIZED, and asking cuDeviceGetCount initialises
+    nothing, so it tells the two apart. (bench/gpu/driver_probe.py asks it after each import.)"""
     try:
         with open("/proc/self/maps") as maps:
             if not any("libcuda.so" in line for line in maps):
-                return False
+                return "unmapped"
     except OSError:
-        return False
+        return "unmapped"
     import ctypes
 
     try:
         driver = ctypes.CDLL("libcuda.so.1")  # the copy already mapped: dlopen returns its handle
         count = ctypes.c_int()
-        return driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
+        if driver.cuDeviceGetCount(ctypes.byref(count)) == CUDA_ERROR_NOT_INITIALIZED:
+            return "mapped, not initialised"
     except (OSError, AttributeError):
-        return True  # mapped under another name, or not the driver we know: do not fork it
+        pass  # mapped under another name, or not the driver we know: do not fork it
+    return "initialised"
 
 
 def _has_children() -> bool:
