@@ -187,10 +187,10 @@ def make_runner(cli: dict[str, str]) -> Runner:
 
 def with_warm(runner: Runner, settings: dict[str, str]) -> Runner:
     """The runner, its stages that must run sent to the cache's warm process (cudabuild.engine.warm):
-    by default on cpu, with CUDABUILD_WARM=1 on a device too (where, on the GPU machine, the server
-    refuses: inductor's import initialises the CUDA driver), never with CUDABUILD_WARM=0. None is
-    started before a stage must run (cudabuild.warm_stage says when one is)."""
-    if runner.delegate is None and warm.enabled(default=runner.config.target == "cpu"):
+    by default (on the GPU machine as spares, since inductor's import initialises the CUDA driver),
+    never with CUDABUILD_WARM=0. None is started before a stage must run (cudabuild.warm_stage says
+    when one is)."""
+    if runner.delegate is None and warm.enabled(default=True):
         runner.warm = warm_stage.WarmStages(runner, settings)
     return runner
 

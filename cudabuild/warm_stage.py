@@ -1,8 +1,8 @@
-"""A stage that must run, run in a fork of the cache's warm process (cudabuild.engine.warm).
+"""A stage that must run, run in the cache's warm process (cudabuild.engine.warm): a fork or a spare.
 
 `WarmStages(runner, settings)` is the Runner's `warm` function for one build. It hands the warm
 process what configures the same build (the project and the command line's settings) and names
-the stage; `run_stage` runs in the forked child: it loads the build's configuration from the
+the stage; `run_stage` runs in the process that serves the call: it loads the build's configuration from the
 project on disk (the child's cudabuild and recipes are read fresh), makes a Runner on the same
 cache and build/ with the caller's run id, toolchain fingerprint and worker count, and brings the
 stage up to date exactly as the caller would have: key lock, lease, admission, run, store, stamp.
@@ -23,7 +23,7 @@ FUNCTION = "cudabuild.warm_stage:run_stage"
 
 
 class WarmStages:
-    """The Runner's `warm` function for one build: runs a stage in a fork of the cache's warm
+    """The Runner's `warm` function for one build: runs a stage in the cache's warm
     process. Made when the build starts, so the process's key is of the build's environment and
     sys.path before any stage could change them."""
 
@@ -43,7 +43,9 @@ class WarmStages:
         payload = {"project": str(runner.config.project), "settings": self.settings,
                    "stage": [stage.kind, stage.method], "run": runner.run_id, "fingerprint": runner.fingerprint(),
                    "workers": runner.workers, "capture_output": runner.capture_output, "cache": str(runner.store.root)}
-        return self.processes.call(FUNCTION, payload, start=self.start)
+        outcome = self.processes.call(FUNCTION, payload, start=self.start)
+        outcome["server"] = self.processes.last_server
+        return outcome
 
     def after_build(self, statuses: list[str]) -> bool:
         """Once a build that ran stages is done, start the warm process in the background for the
@@ -53,8 +55,6 @@ class WarmStages:
 
 
 def run_stage(payload: dict) -> dict:
-    import os
-
     from cudabuild.config import load_config
     from cudabuild.engine.store import Store
     from cudabuild.errors import CudabuildError
@@ -67,9 +67,8 @@ def run_stage(payload: dict) -> dict:
                         workers=payload["workers"], _fingerprint=payload["fingerprint"], _startup_recorded=True)
         status = runner.execute_here(Stage(*payload["stage"]))
     except CudabuildError as e:
-        return {"error": _picklable(e), "events": runner.recorder.take_own() if runner is not None else [],
-                "server": os.getppid()}
-    return {"status": status, "events": runner.recorder.take_own(), "server": os.getppid()}
+        return {"error": _picklable(e), "events": runner.recorder.take_own() if runner is not None else []}
+    return {"status": status, "events": runner.recorder.take_own()}
 
 
 def _picklable(error):

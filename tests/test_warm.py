@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cudabuild.engine import warm
+from cudabuild.engine import warm, warm_server
 from conftest import assert_ok
 
 CALLS = '''
@@ -26,8 +26,9 @@ import os, sys, time
 from pathlib import Path
 
 def answer(payload):
-    return {"value": payload * 2, "pid": os.getpid(), "server": os.getppid(), "cwd": os.getcwd(),
-            "flag": os.environ.get("WARM_TEST_FLAG"), "path0": sys.path[0]}
+    return {"value": payload * 2, "pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
+            "flag": os.environ.get("WARM_TEST_FLAG"), "path0": sys.path[0],
+            "driver": "libcuda.so" in Path("/proc/self/maps").read_text()}
 
 def version(payload):
     return VERSION
@@ -67,19 +68,25 @@ def test_a_call_runs_in_a_fork_of_one_server_with_the_callers_environment(calls,
     monkeypatch.setenv("WARM_TEST_FLAG", "first")
     monkeypatch.chdir(tmp_path)
     one = processes.call("warm_calls:answer", 21)
+    server = processes.last_server
     assert one["value"] == 42
-    assert one["pid"] != os.getpid() and one["server"] != os.getpid()
+    assert one["pid"] != os.getpid() and server not in (None, os.getpid())
     assert one["cwd"] == str(tmp_path) and one["flag"] == "first" and one["path0"] == str(folder)
-    # A variable no library reads at import time: the same server, the new value.
+    # A variable no library reads at import time: the same server, the same worker forked again,
+    # the new value.
     monkeypatch.setenv("WARM_TEST_FLAG", "second")
     two = processes.call("warm_calls:answer", 1)
-    assert two["server"] == one["server"] and two["pid"] != one["pid"] and two["flag"] == "second"
+    assert processes.last_server == server and two["parent"] == one["parent"]
+    assert two["pid"] != one["pid"] and two["flag"] == "second"
     listed = [p for p in warm.running() if p["cache"] == str((tmp_path / "cache").resolve())]
-    assert [p["pid"] for p in listed] == [one["server"]]
+    assert [p["pid"] for p in listed] == [server]
     # One that a library may read when imported: another server (for a caller keyed after it).
     monkeypatch.setenv("TORCHINDUCTOR_WARM_TEST", "1")
-    assert processes.call("warm_calls:answer", 1)["server"] == one["server"]
-    assert warm.WarmProcesses(tmp_path / "cache", ()).call("warm_calls:answer", 1)["server"] != one["server"]
+    processes.call("warm_calls:answer", 1)
+    assert processes.last_server == server
+    other = warm.WarmProcesses(tmp_path / "cache", ())
+    other.call("warm_calls:answer", 1)
+    assert other.last_server != server
 
 
 def test_the_projects_code_is_read_again_by_every_call(calls):
@@ -121,25 +128,27 @@ def test_an_idle_server_exits_and_a_stopped_one_goes(tmp_path, monkeypatch, call
     processes, _ = calls
     monkeypatch.setenv(warm.IDLE_ENV, "1")
     short = warm.WarmProcesses(tmp_path / "short", ())
-    server = short.call("warm_calls:answer", 0)["server"]
+    worker = short.call("warm_calls:answer", 0)["parent"]
+    server = short.last_server
     deadline = time.monotonic() + 30
-    while _alive(server) and time.monotonic() < deadline:
+    while (_alive(server) or _alive(worker)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(server) and not short.socket_path().exists()
+    assert not _alive(server) and not _alive(worker) and not short.socket_path().exists()
     monkeypatch.setenv(warm.IDLE_ENV, "600")
-    server = processes.call("warm_calls:answer", 0)["server"]
+    worker = processes.call("warm_calls:answer", 0)["parent"]
+    server = processes.last_server
     for process in warm.running():
         if process["pid"] == server:
             warm.stop(process)
     deadline = time.monotonic() + 30
-    while _alive(server) and time.monotonic() < deadline:
+    while (_alive(server) or _alive(worker)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(server)
+    assert not _alive(server) and not _alive(worker)
 
 
 # A library in the CUDA driver's place (its soname, its cuDeviceGetCount) that answers as the real
 # one does before cuInit (3, CUDA_ERROR_NOT_INITIALIZED) or after it (0): what the warm server
-# reads to decide whether a fork could still use CUDA. CPU machines have no driver to load.
+# reads to decide between forks and spares. CPU machines have no driver to load.
 DRIVER_SOURCE = "int cuDeviceGetCount(int *count) { *count = 1; return STATUS; }\n"
 LOADS_DRIVER = "import ctypes\nctypes.CDLL({library!r})\n"
 
@@ -155,36 +164,79 @@ def _driver_loading_module(folder: Path, status: int) -> str:
     return f"loads_driver_{status}"
 
 
-def test_a_server_whose_imports_initialised_the_driver_is_refused_once_and_remembered(calls, tmp_path, monkeypatch):
+def test_where_the_imports_initialised_the_driver_each_call_gets_a_spare(calls, tmp_path, monkeypatch):
     _, folder = calls
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "driver"), str(folder)]))
-    # Mapped but not initialised (torch's CUDA build, once imported): the server serves.
+    monkeypatch.setenv(warm_server.SPARES_ENV, "2")
+    # Mapped but not initialised (torch's CUDA build, once imported): calls are forks of one
+    # worker, which imported; the server imported nothing.
     mapped = warm.WarmProcesses(tmp_path / "cache", (_driver_loading_module(tmp_path / "driver", 3),))
-    assert mapped.call("warm_calls:answer", 1)["value"] == 2
-    # Initialised (inductor's import calls cuInit on a GPU machine): refused, and remembered.
+    forked = [mapped.call("warm_calls:answer", n) for n in (1, 2)]
+    assert [a["value"] for a in forked] == [2, 4] and forked[0]["parent"] == forked[1]["parent"]
+    assert _maps_driver(forked[0]["parent"]) and not _maps_driver(mapped.last_server)
+    assert "forks of one worker" in mapped.log_path().read_text()
+    assert not _mode_file(mapped).exists()
+    # Initialised (inductor's import calls cuInit on a GPU machine): each call is served by a spare,
+    # a child of the server that imported, then took that one call.
     initialised = warm.WarmProcesses(tmp_path / "cache", (_driver_loading_module(tmp_path / "driver", 0),))
-    with pytest.raises(warm.WarmUnavailable, match="initialise the CUDA driver"):
-        initialised.call("warm_calls:answer", 1)
-    assert initialised.refused_path().exists()
+    answers = [initialised.call("warm_calls:answer", n) for n in range(3)]
+    server = initialised.last_server
+    assert [a["value"] for a in answers] == [0, 2, 4] and len({a["pid"] for a in answers}) == 3
+    assert {a["parent"] for a in answers} == {server} and all(a["driver"] for a in answers)
+    assert not _maps_driver(server)
     log = initialised.log_path().read_text()
-    assert log.count("not serving") == 1
-    started = time.monotonic()
-    with pytest.raises(warm.WarmUnavailable, match="initialise the CUDA driver"):
-        initialised.call("warm_calls:answer", 1)
-    assert initialised.log_path().read_text() == log, "a refused server was started again"
-    assert time.monotonic() - started < 1.0
+    assert log.count("serving calls with 2 spares") == 1
+    # Each spare that took a call was replaced: two wait again.
+    deadline = time.monotonic() + 30
+    while len(_children(server)) != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_children(server)) == 2
+    # The toolchain's mode is noted: its next server starts both spares at once, not one to ask.
+    assert _mode_file(initialised).exists()
+    _stop(initialised, server)
+    assert all(not _alive(int(pid)) for pid in _children(server))
+    initialised.call("warm_calls:answer", 1)
+    assert initialised.last_server != server
+    deadline = time.monotonic() + 30
+    while len(_children(initialised.last_server)) != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_children(initialised.last_server)) == 2
+    assert initialised.log_path().read_text().count("spares at once") == 1
+    _stop(initialised, None)
     # A week-old server's files, its socket gone, are removed when another server starts.
     stale_log = warm.folder() / "0123456789abcdef01234567.log"
     stale_log.write_text("warm: idle, exiting\n")
     week_ago = time.time() - warm.STALE_DAYS * 86400 - 60
     os.utime(stale_log, (week_ago, week_ago))
-    # A day later the question is asked again.
-    stale = time.time() - warm.REFUSED_DAYS * 86400 - 60
-    os.utime(initialised.refused_path(), (stale, stale))
-    with pytest.raises(warm.WarmUnavailable):
-        initialised.call("warm_calls:answer", 1)
-    assert initialised.log_path().read_text().count("not serving") == 2
+    assert initialised.call("warm_calls:answer", 1)["value"] == 2
     assert not stale_log.exists()
+
+
+def _mode_file(processes: warm.WarmProcesses) -> Path:
+    return processes.mode_file
+
+
+def _maps_driver(pid: int) -> bool:
+    return "libcuda.so" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+
+
+def _stop(processes: warm.WarmProcesses, pid) -> None:
+    """Stop this key's server and wait until it is gone."""
+    for process in warm.running():
+        if process["socket"] == str(processes.socket_path()):
+            pid = process["pid"]
+            warm.stop(process)
+    deadline = time.monotonic() + 30
+    while pid is not None and _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid is None or not _alive(pid)
 
 
 def test_off_by_switch_and_by_default_only_where_asked(monkeypatch):
@@ -197,7 +249,8 @@ def test_off_by_switch_and_by_default_only_where_asked(monkeypatch):
 def test_a_stage_run_warm_is_the_stage_run_here(tiny_copy, tmp_path):
     """A build of one worker finds no warm process: it runs its stages itself and starts one for
     the next build as it ends. The next build's compile runs in that server's child, with its
-    phases in the timeline, and gives the bytes a build without warm processes gives."""
+    phases in the timeline, and gives the bytes a build without warm processes gives; so does one
+    run in a spare."""
     cold = tiny_copy.copy(tmp_path / "without")
     warm_env = tiny_copy.env(CUDABUILD_WARM=1, CUDABUILD_WARM_IDLE_SECONDS=60)
     first, second = "decode.emulate_precision_casts=OFF", "decode.compile_wrapper_opt_level=O0"
@@ -215,6 +268,19 @@ def test_a_stage_run_warm_is_the_stage_run_here(tiny_copy, tmp_path):
         # (an `import` phase is kept from 0.05 s). Without warm processes it imports torch itself.
         assert_ok(cold.export("model=tiny_lm", "target=cpu", second))
         assert inside.get("import", 0.0) < 1.0 <= _compile_decode(cold)[1]["import"], (inside, _compile_decode(cold)[1])
+        assert tiny_copy.manifest()["outputs"] == cold.manifest()["outputs"]
+        # Spare mode (what the GPU machine gets, asked for here): a build of two workers starts
+        # the server at its first stage that must run, which then runs in a spare that had
+        # imported torch, and gives the same bytes.
+        third = "decode.compile_wrapper_opt_level=O1"
+        spares_env = dict(warm_env, CUDABUILD_WARM_MODE="spares")
+        assert_ok(tiny_copy.doit("-n", "2", "export", "model=tiny_lm", "target=cpu", third, env=spares_env))
+        compile_span, inside = _compile_decode(tiny_copy)
+        assert compile_span["args"]["warm"] not in (None, server)
+        assert inside.get("import", 0.0) < 1.0, inside
+        assert "serving calls with 3 spares" in "".join(p.read_text() for p in warm.folder().glob("*.log")
+                                       if f"pid {compile_span['args']['warm']})" in p.read_text())
+        assert_ok(cold.export("model=tiny_lm", "target=cpu", third))
         assert tiny_copy.manifest()["outputs"] == cold.manifest()["outputs"]
     finally:
         tiny_copy.cudabuild("warm", "stop", CUDABUILD_WARM="1")

@@ -5,7 +5,7 @@
 
 With --who, torch's entry points that may initialise the driver are wrapped once torch is
 imported, and the Python stack of the first call that left the driver initialised is printed:
-the line of the import that made a warm process refuse to serve (on the H100, torch 2.11.0+cu130:
+the line of the import that makes a warm process serve calls from spares rather than forks (on the H100, torch 2.11.0+cu130:
 within torch._inductor.compile_fx).
 """
 

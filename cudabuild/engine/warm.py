@@ -1,4 +1,4 @@
-"""Warm processes: a stage runs in a fork of a process that imported torch already.
+"""Warm processes: a stage runs in a process that imported torch already.
 
 Every stage that runs imports torch, ExecuTorch and inductor before it does anything: about 7 s
 on this project's 2-core machines, 10 s with two stages importing at once, 12 s for a Qwen3.5-MoE
@@ -10,10 +10,13 @@ toolchain; cudabuild.warm_stage says when: a build of several workers at its fir
 run, a build of one worker as it ends) that imports those libraries once and stays up until it
 has been idle for `$CUDABUILD_WARM_IDLE_SECONDS` (default IDLE_SECONDS). Each stage that runs is then a `call`:
 the warm process forks, and the child runs the stage with the caller's environment, working
-directory, sys.path and terminal. Only third-party libraries are imported before the fork; the
-project's code (cudabuild, the recipes, the models) is read from disk by each child, so an edit
-reaches the next build as it does without warm processes. What the child computes is what the
-caller would have: the same code on the same inputs, with the same environment.
+directory, sys.path and terminal. Where the imports initialised the CUDA driver (the GPU machine),
+a fork could not use it, so the call goes instead to one of a few spare processes the server keeps
+imported and waiting, which serves that one call (warm_server says how). Only third-party libraries
+are imported beforehand; the project's code (cudabuild, the recipes, the models) is read from disk
+by each call, so an edit reaches the next build as it does without warm processes. What the call
+computes is what the caller would have: the same code on the same inputs, with the same
+environment.
 
 Which warm process serves a call is decided by a key over everything the imports could have
 read: the Python executable, sys.path, the environment variables libraries read when imported
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.machinery
 import json
 import os
 import pickle
@@ -54,9 +58,7 @@ IDLE_SECONDS = 900.0
 # A cold import of torch, ExecuTorch and inductor takes 7-12 s; a loaded machine, longer.
 START_SECONDS = 180.0
 SERVER = Path(__file__).with_name("warm_server.py")
-# How long a server's refusal to serve (warm_server.REFUSED) is kept for its key.
-REFUSED_DAYS = 1.0
-# A server's files (log, sidecar, lock, refusal) are removed this long after they last changed,
+# A server's files (log, sidecar, lock, mode) are removed this long after they last changed,
 # once its socket is gone.
 STALE_DAYS = 7.0
 # Environment variables a library may read while it is imported (and keep): inductor's and
@@ -66,7 +68,7 @@ IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "TORCHINDUCTOR_", "INDUCTOR", "TRITON_", 
 
 
 class WarmUnavailable(Exception):
-    """No warm process answers (it could not start, or the platform has no fork): run here instead."""
+    """No warm process answers (it could not start, or the platform cannot pass descriptors): run here instead."""
 
 
 class WarmNotRunning(WarmUnavailable):
@@ -95,12 +97,30 @@ def folder() -> Path:
 
 def server_key(cache_root: Path, modules: Sequence[str], environ=os.environ, path: Sequence[str] = ()) -> str:
     return digest({
-        "python": sys.executable,
+        "toolchain": toolchain_key(modules, environ, path),
         "path": list(path or sys.path),
-        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(IMPORT_TIME_ENV)},
+        "pythonpath": environ.get("PYTHONPATH", ""),
+        "cache": str(Path(cache_root).resolve()),
+        "serving": [environ.get(warm_server.MODE_ENV, ""), environ.get(warm_server.SPARES_ENV, "")],
+    })[:24]
+
+
+def toolchain_key(modules: Sequence[str], environ=os.environ, path: Sequence[str] = ()) -> str:
+    """What decides what the imports do (whether they initialise the CUDA driver, among it): the
+    Python, where each module's top-level package is found (not the whole sys.path, which holds
+    each project's folder) and the variables read at import time."""
+    where = {}
+    for top in sorted({m.split(".")[0] for m in modules}):
+        with contextlib.suppress(Exception):  # finds without importing: a path search
+            spec = importlib.machinery.PathFinder.find_spec(top, list(path or sys.path))
+            where[top] = spec.origin if spec else None
+    return digest({
+        "python": sys.executable,
+        "packages": where,
+        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"},
         "modules": list(modules),
         "server": SERVER.read_bytes().decode(),
-        "cache": str(Path(cache_root).resolve()),
+        "mode": environ.get(warm_server.MODE_ENV, ""),  # a mode asked for is not the imports' doing
     })[:24]
 
 
@@ -117,12 +137,15 @@ class WarmProcesses:
         # of their own, and its later calls, and the server it starts as it ends, must still be
         # the same key's.
         self._socket = folder() / f"{server_key(self.cache_root, self.modules)}.sock"
+        # Where servers of this toolchain note how their imports are served (warm_server's MODE_FILE).
+        self.mode_file = folder() / f"{toolchain_key(self.modules)}.mode"
+        self.last_server: Optional[int] = None  # the pid of the server that answered the last call
 
     def socket_path(self) -> Path:
         return self._socket
 
     def call(self, function: str, payload, start: bool = True) -> object:
-        """`function(payload)` ("module:function") in a fresh fork of the warm process; returns
+        """`function(payload)` ("module:function") in a fresh fork (or spare) of the warm process; returns
         what it returns, raises what it raised. WarmUnavailable when no warm process can serve;
         with start=False, WarmNotRunning when none answers now (and none is started)."""
         conn = self._connect(start)
@@ -141,6 +164,7 @@ class WarmProcesses:
             except EOFError:
                 raise RuntimeError(f"the warm process's child for {function} ended without an answer "
                                    f"(killed? its server's log: {self.log_path()})") from None
+        self.last_server = answer.get("server")
         if "error" in answer:
             if answer["error"] is not None:
                 raise answer["error"]
@@ -157,12 +181,10 @@ class WarmProcesses:
             return conn
         if not start:
             raise WarmNotRunning(f"no warm process answers at {path}")
-        self._raise_if_refused()
         with self._starter_lock(blocking=True):  # one starter; the others wait here and then connect
             conn = _try_connect(path)
             if conn is not None:
                 return conn
-            self._raise_if_refused()  # the starter we waited for was refused
             server = self._spawn()
             deadline = time.monotonic() + START_SECONDS
             while time.monotonic() < deadline:
@@ -174,18 +196,13 @@ class WarmProcesses:
                 time.sleep(0.05)
             with contextlib.suppress(OSError):
                 server.kill()
-            if server.wait() == warm_server.REFUSED:
-                self._raise_if_refused()
+            server.wait()
             raise WarmUnavailable(f"the warm process did not start (its log: {self.log_path()})")
 
     def start_in_background(self) -> bool:
         """Start this key's server for a later build and return at once; False where one answers
-        already, another caller is starting one, or this key's server was refused."""
+        already or another caller is starting one."""
         if _try_connect_quietly(self.socket_path()):
-            return False
-        try:
-            self._raise_if_refused()
-        except WarmUnavailable:
             return False
         with self._starter_lock(blocking=False) as locked:
             if not locked or _try_connect_quietly(self.socket_path()):
@@ -213,28 +230,13 @@ class WarmProcesses:
             path.unlink()  # a dead server's
         with open(self.log_path(), "ab") as log:
             server = subprocess.Popen(
-                [sys.executable, str(SERVER), str(path), str(idle_seconds()), ",".join(self.modules)],
+                [sys.executable, str(SERVER), str(path), str(idle_seconds()), ",".join(self.modules), str(self.mode_file)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
                 start_new_session=True)
         path.with_suffix(".json").write_text(json.dumps(
             {"cache": str(Path(self.cache_root).resolve()), "pid": server.pid, "modules": list(self.modules),
              "python": sys.executable, "started": time.time()}))
         return server
-
-    def refused_path(self) -> Path:
-        return self.socket_path().with_suffix(".refused")
-
-    def _raise_if_refused(self) -> None:
-        """A server of this key that would not serve (its imports initialised the CUDA driver) is
-        not started again for REFUSED_DAYS: each try costs a build its whole import time."""
-        try:
-            age = time.time() - self.refused_path().stat().st_mtime
-        except OSError:
-            return
-        if age < REFUSED_DAYS * 86400:
-            raise WarmUnavailable(f"the warm process will not serve here: its imports initialise the CUDA driver, "
-                                  f"which forked stages could not use (its log: {self.log_path()})")
-
 
 
 def running() -> list[dict]:
@@ -277,7 +279,7 @@ def _stdio():
 
 
 def _prune(where: Path, keep: str) -> None:
-    """Remove the files of servers long gone (their logs, sidecars, locks and refusals: a key a
+    """Remove the files of servers long gone (their logs, sidecars, locks and modes: a key a
     day, each changed environment or cache another), so the folder does not grow for ever."""
     cutoff = time.time() - STALE_DAYS * 86400
     for entry in where.iterdir():

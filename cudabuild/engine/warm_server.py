@@ -1,25 +1,39 @@
-"""The warm process itself: imports the heavy libraries once, then forks one child per call.
+"""The warm process itself: has the heavy libraries imported once, then serves each call with them loaded.
 
-    python cudabuild/engine/warm_server.py SOCKET IDLE_SECONDS MODULE[,MODULE...]
+    python cudabuild/engine/warm_server.py SOCKET IDLE_SECONDS MODULE[,MODULE...] MODE_FILE
 
 Started by cudabuild.engine.warm (never by hand), detached from the build that started it. It
-runs by path, not as part of the cudabuild package, and imports nothing of cudabuild: what it
-imports stays in every child it forks, and the project's own code (models, recipes, cudabuild
-itself) must be read from disk by each child, or an edit would not reach the next build. So it
-imports only the listed third-party modules (a module that fails to import is skipped), then
-listens on SOCKET.
+runs by path, not as part of the cudabuild package, and imports nothing of cudabuild: what is
+imported stays in every process that serves a call, and the project's own code (models, recipes,
+cudabuild itself) must be read from disk by each call, or an edit would not reach the next build.
+So only the listed third-party modules are imported (a module that fails to import is skipped).
 
-A call is one connection. The server forks at once and goes back to listening; the child takes
-the caller's stdin, stdout and stderr (passed over the socket), its environment, working
-directory and sys.path, imports the named function and runs it on the payload, and sends back what
-it returns (or the exception it raised). While it runs, a thread waits for the caller to hang up:
-a caller that is gone (a build interrupted) ends the child, and so the stage it ran.
+The server itself imports none of them: it owns SOCKET and starts worker processes that import
+them and then wait on it. The first worker's imports decide how calls are served:
 
-The server exits after IDLE_SECONDS without a call and with no child left, or as soon as SOCKET
-is no longer its own (another server took the name), and removes the socket it made.
-Standard library only, on purpose: see above. The caller's side (cudabuild.engine.warm) imports
-this module for the framing (HEADER, send, receive) and the REFUSED exit status, so the two
-agree by construction.
+- Forks, where they left the CUDA driver uninitialised (every CPU machine): that worker forks once
+  per call and goes back to listening; it is the only one.
+- Spares, where an import initialised the driver (on the GPU machine `torch._inductor.compile_fx`
+  calls cuInit; a driver initialised before a fork cannot be used by the children, nor be
+  initialised again): each worker serves one call and exits, and the server keeps
+  `$CUDABUILD_WARM_SPARES` (default SPARES) of them imported and waiting, starting another as soon
+  as one takes a call. `$CUDABUILD_WARM_MODE=spares` asks for this mode anywhere.
+
+The first worker's answer is written to MODE_FILE (one per toolchain), so that a later server that
+will need spares starts them all at once; until the first worker answers, it is the only one,
+since on a 2-core machine spares importing side by side would slow the build they are for.
+
+Either way the process that serves takes the caller's stdin, stdout and stderr (passed over the
+socket), its environment, working directory and sys.path, imports the named function and runs it
+on the payload, and sends back what it returns (or the exception it raised). While it runs, a
+thread waits for the caller to hang up: a caller that is gone (a build interrupted) ends it, and
+so the stage it ran.
+
+SOCKET appears once a worker is ready. The server exits after IDLE_SECONDS without a call and
+with no call still running, or as soon as SOCKET is no longer its own (another server took the
+name), and removes the socket it made. Standard library only, on purpose: see above. The
+caller's side (cudabuild.engine.warm) imports this module for the framing (HEADER, send, receive),
+so the two agree by construction.
 """
 
 from __future__ import annotations
@@ -27,20 +41,32 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 import traceback
 
 HEADER = struct.Struct("!Q")
-# The exit status of a server that will not serve (its imports initialised the CUDA driver). It
-# leaves SOCKET's name with the suffix .refused beside it, which the callers of its key read
-# (cudabuild.engine.warm.WarmProcesses.refused_path) rather than start it again.
-REFUSED = 4
 CUDA_ERROR_NOT_INITIALIZED = 3
+SPARES_ENV = "CUDABUILD_WARM_SPARES"
+# "spares" asks for spare mode whatever the driver says (a library that must not be forked, or a
+# test on a machine without a driver); unset, the driver decides.
+MODE_ENV = "CUDABUILD_WARM_MODE"
+# Waiting processes in spare mode: a cuda build's two compiles and the stage after them each find
+# one ready; each that takes a call is replaced at once (an import: 12-18 s on the GPU machine).
+SPARES = 3
+# How long MODE_FILE's "spares" starts every spare at once, before the first worker has answered.
+SPARES_DAYS = 7.0
+# A worker that dies before it is ready (its import crashed) is started again at most this many
+# times in a row; then the server gives up, and its callers run their stages themselves.
+WORKER_FAILURES = 3
+# The server a worker was started by: each answer names it (what `cudabuild warm` lists).
+SERVER_PID = 0
 
 
 def receive(conn: socket.socket) -> bytes:
@@ -87,7 +113,7 @@ def _exit_when_caller_leaves(conn: socket.socket) -> None:
 
 
 def _serve_call(conn: socket.socket) -> None:
-    """In the forked child: take the caller's stdio, run its call, answer. Never returns."""
+    """In a forked child or a spare: take the caller's stdio, run its call, answer. Never returns."""
     try:
         message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
         if not message:
@@ -112,6 +138,7 @@ def _serve_call(conn: socket.socket) -> None:
             result = {"error": _picklable(e), "traceback": traceback.format_exc()}
         sys.stdout.flush()
         sys.stderr.flush()
+        result["server"] = SERVER_PID
         send(conn, pickle.dumps(result))
     except BaseException:
         traceback.print_exc()
@@ -128,51 +155,197 @@ def _picklable(error: BaseException):
 
 
 def main() -> None:
-    path, idle, modules = sys.argv[1], float(sys.argv[2]), [m for m in sys.argv[3].split(",") if m]
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # this file's folder (cudabuild/engine) is no import root
-    _preload(modules)
-    if device_driver_state() == "initialised":
-        # A CUDA driver initialised before fork cannot be used by the children (nor re-initialised).
-        print("warm: an import initialised the CUDA driver, which forked children could not use: not serving",
-              flush=True)
-        with open(os.path.splitext(path)[0] + ".refused", "w") as refused:  # read by the callers of this key
-            refused.write(str(time.time()))
-        sys.exit(REFUSED)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    if sys.argv[1] == "--worker":
+        _worker(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), _modules(sys.argv[5]))
+    path, idle, modules, mode_file = sys.argv[1], float(sys.argv[2]), _modules(sys.argv[3]), sys.argv[4]
+    # Each call takes its caller's directory; the server's own is one that outlives it (a build's
+    # may be deleted before a worker started later is).
+    os.chdir(os.path.dirname(os.path.abspath(path)))
+    _serve(path, idle, modules, mode_file)
+
+
+def _modules(listed: str) -> list[str]:
+    return [m for m in listed.split(",") if m]
+
+
+def _recent(path: str, days: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime < days * 86400
+    except OSError:
+        return False
+
+
+class _Worker:
+    """One worker process, and the socket it reports on: F (imported; forks for every call),
+    R (imported; waits for one call), T (took its call). Its end of the socket closing tells it
+    the server is gone; the server's end closing, that the worker is."""
+
+    def __init__(self, listener: socket.socket, idle: float, modules: list[str]):
+        self.channel, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", str(listener.fileno()), str(theirs.fileno()),
+             str(idle), ",".join(modules)],
+            stdin=subprocess.DEVNULL, pass_fds=(listener.fileno(), theirs.fileno()))
+        theirs.close()
+        self.state = "importing"
+
+    def read(self) -> bool:
+        """Take its reports; False once it is gone (its call served, idle, or died)."""
+        try:
+            data = self.channel.recv(16)
+        except OSError:
+            data = b""
+        if not data:
+            self.channel.close()
+            self.process.wait()
+            return False
+        for report, state in ((b"F", "forking"), (b"R", "ready"), (b"T", "serving")):
+            if report in data:
+                self.state = state
+        return True
+
+
+def _serve(path: str, idle: float, modules: list[str], mode_file: str) -> None:
+    try:
+        spares = max(1, int(os.environ.get(SPARES_ENV) or SPARES))
+    except ValueError:
+        spares = SPARES
     temporary = f"{path}.{os.getpid()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(temporary)
     listener.listen(64)
-    os.replace(temporary, path)  # callers see the socket only once the imports are done
-    mine = os.stat(path).st_ino
-    listener.settimeout(5.0)
-    last_call = time.monotonic()
-    print(f"warm: serving {path} (pid {os.getpid()})", flush=True)
-    while True:
+    mode = "spares" if _recent(mode_file, SPARES_DAYS) else None  # None: the first worker will say
+    if mode:
+        print(f"warm: starting {spares} spares at once, as {mode_file} says", flush=True)
+    workers: list[_Worker] = []
+    mine, failures, last_call = None, 0, time.monotonic()
+    while mine is None or _still_mine(path, mine):
+        wanted = {None: 1, "spares": spares, "forks": 0}[mode]
+        while sum(w.state in ("importing", "ready") for w in workers) < wanted and failures < WORKER_FAILURES:
+            workers.append(_Worker(listener, idle, modules))
+        if not workers:
+            print("warm: no worker left to serve (idle, or their imports kept failing): exiting", flush=True)
+            break
+        readable, _, _ = select.select([w.channel for w in workers], [], [], 5.0)
+        for worker in [w for w in workers if w.channel in readable]:
+            was = worker.state
+            if not worker.read():
+                workers.remove(worker)
+                failures += was == "importing"
+                continue
+            if worker.state == "serving":
+                last_call = time.monotonic()
+            elif worker.state != was:  # imported: F or R
+                failures = 0
+                if mode == "forks" and worker.state == "forking":  # one forking worker is enough
+                    worker.channel.close()
+                    workers.remove(worker)
+                elif mode is None or mode == "spares" and worker.state == "forking":
+                    mode = "forks" if worker.state == "forking" else "spares"
+                    _remember(mode_file, mode)
+                    print(f"warm: serving calls with {'forks of one worker' if mode == 'forks' else f'{spares} spares'}",
+                          flush=True)
+        if mine is None and any(w.state in ("ready", "forking") for w in workers):
+            os.replace(temporary, path)  # callers see the socket only once a call finds the imports done
+            mine = os.stat(path).st_ino
+            print(f"warm: serving {path} (pid {os.getpid()})", flush=True)
+        if mode == "spares" and time.monotonic() - last_call > idle and not any(w.state == "serving" for w in workers):
+            print("warm: idle, exiting", flush=True)
+            break
+    for worker in workers:
+        if worker.state != "serving":  # a call being served finishes; the waiting go
+            worker.channel.close()  # a forking worker stops accepting, lets its children finish
+            if worker.state != "forking":
+                worker.process.terminate()
+    try:
+        if mine is None:
+            os.unlink(temporary)
+        elif _still_mine(path, mine):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _remember(mode_file: str, mode: str) -> None:
+    try:
+        if mode == "spares":
+            with open(mode_file, "w") as remembered:
+                remembered.write(str(time.time()))
+        elif os.path.exists(mode_file):
+            os.unlink(mode_file)
+    except OSError:
+        pass  # only a hint for the next server
+
+
+def _still_mine(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
+
+
+def _worker(listener_fd: int, channel_fd: int, idle: float, modules: list[str]) -> None:
+    """Import, then serve: by forking per call where the driver allows it, else one call. Never returns."""
+    global SERVER_PID
+    SERVER_PID = os.getppid()
+    listener = socket.socket(fileno=listener_fd)
+    channel = socket.socket(fileno=channel_fd)
+    _preload(modules)
+    if device_driver_state() != "initialised" and os.environ.get(MODE_ENV, "").strip().lower() != "spares":
+        channel.sendall(b"F")
+        _serve_with_forks(listener, channel, idle)
+        os._exit(0)
+    if device_driver_state() == "initialised":
+        print("warm: an import initialised the CUDA driver, which forked children could not use", flush=True)
+    serving = threading.Event()
+
+    def leave_with_the_server():
         try:
-            if os.stat(path).st_ino != mine:
-                return  # replaced: the newer server owns the name
+            channel.recv(1)
         except OSError:
-            return
+            pass
+        if not serving.is_set():
+            os._exit(0)
+
+    threading.Thread(target=leave_with_the_server, daemon=True).start()
+    channel.sendall(b"R")
+    conn, _ = listener.accept()
+    serving.set()
+    listener.close()
+    try:
+        channel.sendall(b"T")
+    except OSError:
+        pass  # the server is gone; the caller is not
+    _serve_call(conn)
+
+
+def _serve_with_forks(listener: socket.socket, channel: socket.socket, idle: float) -> None:
+    """Fork a child per call until idle (no call for `idle` seconds, no child left) or until the
+    server is gone (it closes the channel when its socket was taken or removed)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    last_call = time.monotonic()
+    while True:
+        readable, _, _ = select.select([listener, channel], [], [], 5.0)
+        if channel in readable:
+            return  # nothing else is ever sent on it: the server closed it
+        if listener not in readable:
+            if time.monotonic() - last_call > idle and not _has_children():
+                print("warm: idle, exiting", flush=True)
+                return
+            continue
         try:
             conn, _ = listener.accept()
-        except socket.timeout:
-            if time.monotonic() - last_call > idle and not _has_children():
-                break
-            continue
+        except BlockingIOError:
+            continue  # another process took it
         last_call = time.monotonic()
         conn.settimeout(None)
         if os.fork() == 0:
             listener.close()
+            channel.close()
             _serve_call(conn)
         conn.close()
-    print("warm: idle, exiting", flush=True)
-    try:
-        if os.stat(path).st_ino == mine:
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 def device_driver_state() -> str:
