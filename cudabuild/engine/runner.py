@@ -137,7 +137,7 @@ class Runner:
     # worker reports, once its record is in the shared tier (cudabuild.engine.cluster.Pool.delegate).
     delegate: Optional[Callable[[str, dict, dict], dict]] = None
     # Where a stage that must run is run on this machine, when not in this process: stage -> the
-    # outcome of running it in a fork of a warm process, one that imported torch already
+    # outcome of running it in a warm process, one that imported torch already (a fork, or a spare)
     # (cudabuild.engine.warm; cudabuild.warm_stage makes this function). None: here.
     warm: Optional[Callable[[Stage], dict]] = None
     # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use, or
@@ -311,7 +311,7 @@ class Runner:
             return self._execute(stage, {})
 
     def _run_warm(self, stage: Stage, span: dict) -> Optional[str]:
-        """Run the stage in a fork of the warm process (its pid goes in the stage's span); its
+        """Run the stage in the warm process (its server's pid goes in the stage's span); its
         status, or None when the stage is to run here: none answers and this build starts none
         (later stages ask again), or none could serve (later ones of this process run here too)."""
         from cudabuild.engine.warm import WarmNotRunning, WarmUnavailable

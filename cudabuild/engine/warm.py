@@ -9,7 +9,7 @@ So a build starts a warm process (cudabuild/engine/warm_server.py, detached, one
 toolchain; cudabuild.warm_stage says when: a build of several workers at its first stage that must
 run, a build of one worker as it ends) that imports those libraries once and stays up until it
 has been idle for `$CUDABUILD_WARM_IDLE_SECONDS` (default IDLE_SECONDS). Each stage that runs is then a `call`:
-the warm process forks, and the child runs the stage with the caller's environment, working
+the warm process's worker forks, and the child runs the stage with the caller's environment, working
 directory, sys.path and terminal. Where the imports initialised the CUDA driver (the GPU machine),
 a fork could not use it, so the call goes instead to one of a few spare processes the server keeps
 imported and waiting, which serves that one call (warm_server says how). Only third-party libraries
@@ -95,13 +95,14 @@ def folder() -> Path:
     return Path("/tmp") / f"cudabuild-warm-{os.getuid()}"
 
 
-def server_key(cache_root: Path, modules: Sequence[str], environ=os.environ, path: Sequence[str] = ()) -> str:
+def server_key(cache_root: Path, toolchain: str, environ=os.environ, path: Sequence[str] = ()) -> str:
+    """A server's key: its toolchain's (toolchain_key), the whole sys.path, and the cache it serves."""
     return digest({
-        "toolchain": toolchain_key(modules, environ, path),
+        "toolchain": toolchain,
         "path": list(path or sys.path),
         "pythonpath": environ.get("PYTHONPATH", ""),
         "cache": str(Path(cache_root).resolve()),
-        "serving": [environ.get(warm_server.MODE_ENV, ""), environ.get(warm_server.SPARES_ENV, "")],
+        "spares": environ.get(warm_server.SPARES_ENV, ""),
     })[:24]
 
 
@@ -136,9 +137,10 @@ class WarmProcesses:
         # add to its sys.path (a project's folder) and the libraries they import set variables
         # of their own, and its later calls, and the server it starts as it ends, must still be
         # the same key's.
-        self._socket = folder() / f"{server_key(self.cache_root, self.modules)}.sock"
+        toolchain = toolchain_key(self.modules)
+        self._socket = folder() / f"{server_key(self.cache_root, toolchain)}.sock"
         # Where servers of this toolchain note how their imports are served (warm_server's MODE_FILE).
-        self.mode_file = folder() / f"{toolchain_key(self.modules)}.mode"
+        self.mode_file = folder() / f"{toolchain}.mode"
         self.last_server: Optional[int] = None  # the pid of the server that answered the last call
 
     def socket_path(self) -> Path:

@@ -293,11 +293,12 @@ def _worker(listener_fd: int, channel_fd: int, idle: float, modules: list[str]) 
     listener = socket.socket(fileno=listener_fd)
     channel = socket.socket(fileno=channel_fd)
     _preload(modules)
-    if device_driver_state() != "initialised" and os.environ.get(MODE_ENV, "").strip().lower() != "spares":
+    initialised = device_driver_state() == "initialised"
+    if not initialised and os.environ.get(MODE_ENV, "").strip().lower() != "spares":
         channel.sendall(b"F")
         _serve_with_forks(listener, channel, idle)
         os._exit(0)
-    if device_driver_state() == "initialised":
+    if initialised:
         print("warm: an import initialised the CUDA driver, which forked children could not use", flush=True)
     serving = threading.Event()
 
