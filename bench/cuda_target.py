@@ -9,6 +9,7 @@ Cases, each a whole `doit export ... target=cuda` process with its own cache dir
               exported programs?
   cold1       the same build with one worker (CUDABUILD_JOBS=1), in a fresh cache dir
   cold2w      the same with two workers (CUDABUILD_JOBS=2)
+  cold4w      the same with four workers (CUDABUILD_JOBS=4)
   noop        the same again
   replay      a spec change that keeps tuning inputs (emulate_precision_casts=OFF): compile reruns,
               autotuning decisions are replayed, not re-benchmarked; the casts change the Triton
@@ -63,8 +64,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COLD_WITH_JOBS = {"cold1": "1", "cold2w": "2"}  # case -> CUDABUILD_JOBS of a cold build in a fresh cache
-ESTIMATE = {"keepkernels": 60, "second": 60, "layer": 70, "edit": 50, "cold": 130, "cold1": 140, "cold2w": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
+COLD_WITH_JOBS = {"cold1": "1", "cold2w": "2", "cold4w": "4"}  # case -> CUDABUILD_JOBS of a cold build in a fresh cache
+ESTIMATE = {"keepkernels": 60, "second": 60, "layer": 70, "edit": 50, "cold": 130, "cold1": 140, "cold2w": 130, "cold4w": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
 
 

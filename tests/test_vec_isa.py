@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
+import time
 import warnings
 
 import pytest
@@ -100,6 +102,64 @@ def test_a_probe_whose_load_timed_out_is_asked_again(tmp_path, monkeypatch):
             assert _probe_one(isa) is False
         assert (count.remembered, count.checked) == (0, 1)
     assert not list(tmp_path.rglob("*.json"))  # no answer, no failure counted
+
+
+def _forget_asked_isas() -> None:
+    """Make this process ask torch's probes again (it keeps their answers per process)."""
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    for isa in cpu_vec_isa.supported_vec_isa_list:
+        for cls in type(isa).__mro__:
+            for name in ("__bool__", "_VecISA__bool__impl"):
+                memo = vars(cls).get(name)
+                if hasattr(memo, "cache_clear"):
+                    memo.cache_clear()
+
+
+@x86_only
+def test_probes_start_side_by_side_when_lowering_starts_and_torch_takes_their_answers(tmp_path, monkeypatch):
+    """A compile on a fresh cache: the first probe of every listed ISA runs in a thread of its own,
+    all at once, from the moment inductor lowers; the compile's own asks wait for those answers
+    instead of probing again, and the answers are remembered."""
+    listed = _listed_isas()
+    if not listed:
+        pytest.skip("this CPU lists no vector ISA torch probes")
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    runs = []
+    torch_check = cpu_vec_isa.VecISA.check_build
+
+    def recorded(isa, code):  # torch's check, as answered() finds it: who ran it, and when
+        started = time.monotonic()
+        passed = torch_check(isa, code)
+        runs.append((str(isa), code == cpu_vec_isa.VecISA._avx_code, threading.current_thread().name,
+                     started, time.monotonic()))
+        return passed
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", recorded)
+    _forget_asked_isas()
+    # (Before the compile: a passed feature probe adds its flags to the ISA's build after it.)
+    remembered = [vec_isa.probe_path(tmp_path / "store", vec_isa.machine_key(), isa, cpu_vec_isa.VecISA._avx_code)
+                  for isa in listed]
+    torch._dynamo.reset()
+
+    def add_one(x):
+        return x * 2.0 + 1.0
+
+    with inductor_config.patch(fx_graph_cache=False), vec_isa.answered(tmp_path / "store") as count:
+        out = torch.compile(add_one, backend="inductor")(torch.arange(64, dtype=torch.float32))
+    assert torch.equal(out, torch.arange(64, dtype=torch.float32) * 2.0 + 1.0)
+
+    first = [r for r in runs if r[1]]  # each ISA's first probe (the source every ISA is first asked)
+    assert sorted(r[0] for r in first) == sorted(str(isa) for isa in listed)  # each once: none asked twice
+    assert all(name.startswith("isa-probe") for _, _, name, _, _ in first)
+    if len(first) > 1:  # side by side: every one had started before the first had ended
+        assert max(r[3] for r in first) < min(r[4] for r in first)
+    assert count.checked == len(runs)
+    # Each answer kept: a pass as the answer, a failure as one of the FAILURES_TO_KEEP it takes.
+    assert all(path.is_file() or list(path.parent.glob(f"{path.stem}.failed-*.json")) for path in remembered)
+    assert cpu_vec_isa.VecISA.check_build is recorded  # what it found, put back
+    from torch._inductor.graph import GraphLowering
+    assert "cudabuild" not in GraphLowering.run.__module__  # inductor's own, put back
 
 
 def _probe_counts(project: Project) -> dict[str, dict]:

@@ -175,7 +175,9 @@ def test_where_the_imports_initialised_the_driver_each_call_gets_a_spare(calls, 
     assert [a["value"] for a in forked] == [2, 4] and forked[0]["parent"] == forked[1]["parent"]
     assert _maps_driver(forked[0]["parent"]) and not _maps_driver(mapped.last_server)
     assert "forks of one worker" in mapped.log_path().read_text()
-    assert not _mode_file(mapped).exists()
+    # Noted too: where the NVIDIA driver is loaded, a server of this toolchain will not start
+    # spares at once on the guess that its imports initialise it.
+    assert _mode_file(mapped).read_text().startswith("forks")
     # Initialised (inductor's import calls cuInit on a GPU machine): each call is served by a spare,
     # a child of the server that imported, then took that one call.
     initialised = warm.WarmProcesses(tmp_path / "cache", (_driver_loading_module(tmp_path / "driver", 0),))

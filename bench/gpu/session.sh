@@ -2,7 +2,7 @@
 # On the GPU machine (the device tool's working tree), after bench/gpu/prepare.sh here:
 #   bash bench/gpu/session.sh CASE [CASE...]      results under $OUT/<case>/, logs tarred
 # Cases (each a bench script with the time budget of one call):
-#   tiny      bench/cuda_target.py cold,keepkernels,edit,second,layer,stock with warm processes on (CUDABUILD_WARM=1)
+#   tiny      bench/cuda_target.py cold,keepkernels,edit,stock,cold4w,layer with warm processes on (CUDABUILD_WARM=1)
 #   tinycold  bench/cuda_target.py cold,keepkernels,stock with them off: the same figures the old way
 #   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
 #   qwenwarm  the same with warm processes on
@@ -29,7 +29,7 @@ for case in "$@"; do
   left=$((BUDGET - ($(date +%s) - started)))
   dir="$OUT/$case"; mkdir -p "$dir"
   case $case in
-    tiny)     CUDABUILD_WARM=1 python3 bench/cuda_target.py --cases cold,keepkernels,edit,second,layer,stock --budget "$left" --out "$dir/r" ;;
+    tiny)     CUDABUILD_WARM=1 python3 bench/cuda_target.py --cases cold,keepkernels,edit,stock,cold4w,layer --budget "$left" --out "$dir/r" ;;
     tinycold) CUDABUILD_WARM=0 python3 bench/cuda_target.py --cases cold,keepkernels,stock --budget "$left" --out "$dir/r" ;;
     qwen)     python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     qwenwarm) CUDABUILD_WARM=1 python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;

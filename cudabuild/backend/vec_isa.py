@@ -24,18 +24,30 @@ once torch's check has given it in two compiles (`FAILURES_TO_KEEP`); a load tha
 an answer, and a probe's only effect is its answer (the library it builds is used for nothing
 else), so a compile and its bytes are what they were. `$TORCHINDUCTOR_VEC_ISA_OK` (inductor's own
 switch) wins over all of this.
+
+Where the answers are not known yet (a fresh cache), the probes run side by side and ahead of
+need. Torch asks them one after another when the C++ compile starts, at the end of the compile;
+on the H200 that was four failing probes of 4.5-5.7 s each, in sequence, in each compile. So as
+soon as inductor starts lowering (its config, with the compile's options, then in force), the
+first probe of every ISA the CPU lists starts in a thread of its own, and torch's check later
+takes the answer when it asks the same question (same ISA, source and build command). An answer
+found while the build command was changing is not used nor kept: torch asks again itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
+import re
 import sys
+import threading
 import time
 import uuid
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from shutil import which
@@ -46,6 +58,8 @@ from cudabuild.engine.hashing import digest
 
 FOLDER = "vec_isa"
 FAILURES_TO_KEEP = 2  # compiles in which torch's check failed a probe before the failure is its answer
+# torch 2.13 warns this when it gave up loading a probe: its False then says nothing of the machine.
+HUNG_WARNING = r"VecISA dlopen probe .* hung"
 
 
 @dataclass
@@ -110,10 +124,49 @@ def _remember(path: Path, isa, passed: bool) -> None:
         atomic_write_text(target, json.dumps({"isa": str(isa), "flags": _arch_flags(isa), "passed": passed}))
 
 
+class _HangWatch:
+    """Which thread's probe load torch gave up on. Torch says so only by a warning, and probes run
+    in several threads at once, where `warnings.catch_warnings` (process-wide, and it would undo
+    every filter the compile's own imports add) cannot be entered per probe. So one hook, for the
+    whole block, notes the warning in the thread that raised it and passes it on as it would have
+    been shown; and one filter shows every hang, not the first per source line."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        warnings.filterwarnings("always", message=HUNG_WARNING)
+        ours = warnings.filters[0]
+        shown = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if re.match(HUNG_WARNING, str(message)):
+                self._local.hung = True
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        try:
+            yield
+        finally:
+            if warnings.showwarning is showwarning:
+                warnings.showwarning = shown
+            with contextlib.suppress(ValueError):
+                warnings.filters.remove(ours)
+                getattr(warnings, "_filters_mutated", lambda: None)()  # forget what was decided with it
+
+    def start(self) -> None:
+        self._local.hung = False
+
+    def hung(self) -> bool:
+        return getattr(self._local, "hung", False)
+
+
 @contextlib.contextmanager
 def answered(store_root: Optional[Path]) -> Iterator[Optional[ProbeCount]]:
     """Within the block, a probe whose answer this machine knows (same source, same build command)
-    gets it without being built or loaded, and the answer of a probe torch runs is remembered.
+    gets it without being built or loaded, the answer of a probe torch runs is remembered, and
+    once inductor starts lowering, the probes not known yet start side by side (module docstring).
     Yields the block's counts (None where nothing is remembered: no store, not x86-64, or the
     user's `$TORCHINDUCTOR_VEC_ISA_OK`)."""
     from torch._inductor import config as inductor_config
@@ -123,32 +176,94 @@ def answered(store_root: Optional[Path]) -> Iterator[Optional[ProbeCount]]:
     if machine is None:
         yield None
         return
-    count = ProbeCount()
+    count, counting = ProbeCount(), threading.Lock()
     torch_check = cpu_vec_isa.VecISA.check_build
+    hangs = _HangWatch()
+    ahead: dict[Path, Future] = {}
+    ahead_started = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(_listed(cpu_vec_isa))), thread_name_prefix="isa-probe")
+
+    def checked_by_torch(isa, code: str, path: Path) -> tuple[bool, bool]:
+        """torch's own check: (its answer, whether the question was still `path` when it ended).
+        The answer is remembered unless the load hung or the build command changed meanwhile."""
+        with counting:
+            count.checked += 1
+        started = time.monotonic()
+        hangs.start()
+        passed = torch_check(isa, code)
+        # The stage log says which probes torch ran here, and how they ended.
+        print(f"cudabuild: CPU ISA probe {isa} [{_arch_flags(isa)}] {'passed' if passed else 'failed'}"
+              f" in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        unchanged = probe_path(store_root, machine, isa, code) == path
+        if unchanged and not hangs.hung():
+            _remember(path, isa, passed)
+        return passed, unchanged
 
     def check_build(isa, code: str) -> bool:
         path = probe_path(store_root, machine, isa, code)
         known = _known_answer(path)
         if known is not None:
-            count.remembered += 1
+            with counting:
+                count.remembered += 1
             return known
-        count.checked += 1
-        started = time.monotonic()
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            passed = torch_check(isa, code)
-        for warning in warned:  # said again, as they would have been
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        timed_out = any("hung" in str(w.message) for w in warned)
-        # The stage log says which probes torch ran here, and how they ended.
-        print(f"cudabuild: CPU ISA probe {isa} [{_arch_flags(isa)}] {'passed' if passed else 'failed'}"
-              f" in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-        if not timed_out:
-            _remember(path, isa, passed)
-        return passed
+        early = ahead.pop(path, None)
+        if early is not None:
+            with contextlib.suppress(Exception):  # a probe that raised in its thread is asked here again
+                passed, unchanged = early.result()
+                if unchanged:
+                    return passed
+        return checked_by_torch(isa, code, path)[0]
 
-    cpu_vec_isa.VecISA.check_build = check_build
+    def probe_ahead() -> None:
+        """Start the first probe of each listed ISA whose answer is not known, each in a thread;
+        once a block (inductor lowers subgraphs too, under the same config)."""
+        if ahead_started.is_set():
+            return
+        ahead_started.set()
+        if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+            return  # this process asked already (a worker's earlier compile): torch will not ask again
+        code = cpu_vec_isa.VecISA._avx_code
+        for isa in _listed(cpu_vec_isa):
+            path = probe_path(store_root, machine, isa, code)
+            if path not in ahead and _known_answer(path) is None:
+                ahead[path] = pool.submit(checked_by_torch, isa, code, path)
+
+    with hangs.installed(), _before_lowering(probe_ahead):
+        cpu_vec_isa.VecISA.check_build = check_build
+        try:
+            yield count
+        finally:
+            cpu_vec_isa.VecISA.check_build = torch_check
+            pool.shutdown(wait=True, cancel_futures=True)  # none outlives the compile's environment
+
+
+def _listed(cpu_vec_isa) -> list:
+    """The ISAs torch probes on this CPU: those whose every flag the CPU lists (as torch picks them)."""
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
+@contextlib.contextmanager
+def _before_lowering(hook) -> Iterator[None]:
+    """Within the block, `hook()` runs each time inductor starts lowering a graph, inside the
+    compile's config. Where this torch's GraphLowering has no `run`, it never runs."""
     try:
-        yield count
+        from torch._inductor.graph import GraphLowering
+    except ImportError:
+        GraphLowering = None
+    original = vars(GraphLowering).get("run") if GraphLowering is not None else None
+    if original is None:
+        yield
+        return
+
+    @functools.wraps(original)
+    def run(self, *args, **kwargs):
+        with contextlib.suppress(Exception):  # only ever a head start: torch's check asks regardless
+            hook()
+        return original(self, *args, **kwargs)
+
+    GraphLowering.run = run
+    try:
+        yield
     finally:
-        cpu_vec_isa.VecISA.check_build = torch_check
+        GraphLowering.run = original

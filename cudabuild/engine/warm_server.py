@@ -16,12 +16,16 @@ them and then wait on it. The first worker's imports decide how calls are served
 - Spares, where an import initialised the driver (on the GPU machine `torch._inductor.compile_fx`
   calls cuInit; a driver initialised before a fork cannot be used by the children, nor be
   initialised again): each worker serves one call and exits, and the server keeps
-  `$CUDABUILD_WARM_SPARES` (default SPARES) of them imported and waiting, starting another as soon
-  as one takes a call. `$CUDABUILD_WARM_MODE=spares` asks for this mode anywhere.
+  `$CUDABUILD_WARM_SPARES` of them imported and waiting (by default one per two cores, 3 to 8,
+  as many as the memory holds: `default_spares`), starting another as soon as one takes a call.
+  `$CUDABUILD_WARM_MODE=spares` asks for this mode anywhere.
 
 The first worker's answer is written to MODE_FILE (one per toolchain), so that a later server that
-will need spares starts them all at once; until the first worker answers, it is the only one,
-since on a 2-core machine spares importing side by side would slow the build they are for.
+will need spares starts them all at once. Without that answer, a server where an NVIDIA driver is
+loaded starts all its spares at once too (the answer there is spares for every torch measured);
+elsewhere its first worker is the only one until it answers, since on a 2-core machine spares
+importing side by side would slow the build they are for. A server whose workers answer otherwise
+than it started for changes mode at the first answer: extra forking workers are closed.
 
 Either way the process that serves takes the caller's stdin, stdout and stderr (passed over the
 socket), its environment, working directory and sys.path, imports the named function and runs it
@@ -57,10 +61,15 @@ SPARES_ENV = "CUDABUILD_WARM_SPARES"
 # "spares" asks for spare mode whatever the driver says (a library that must not be forked, or a
 # test on a machine without a driver); unset, the driver decides.
 MODE_ENV = "CUDABUILD_WARM_MODE"
-# Waiting processes in spare mode: a cuda build's two compiles and the stage after them each find
-# one ready; each that takes a call is replaced at once (an import: 12-18 s on the GPU machine).
-SPARES = 3
-# How long MODE_FILE's "spares" starts every spare at once, before the first worker has answered.
+# Waiting processes in spare mode. Each that takes a call is replaced at once, but the replacement
+# imports for 12-18 s on the GPU machine, so a build must find as many waiting as the stages it
+# starts within that time: a tiny_lm cold build on the H200 starts seven (probe, two exports, two
+# edges, two references) in its first 15 s, and with three spares its edges and references waited
+# 11 s each for imports. Bounded by the cores (each import is a core busy) and by the memory.
+SPARES_MIN, SPARES_MAX = 3, 8
+SPARE_BYTES = 2 << 30  # what one imported worker holds, rounded up (torch, inductor, ExecuTorch)
+# How long MODE_FILE's answer is taken before the first worker has given its own: "spares" starts
+# every spare at once, "forks" one worker even where the NVIDIA driver is loaded.
 SPARES_DAYS = 7.0
 # A worker that dies before it is ready (its import crashed) is started again at most this many
 # times in a row; then the server gives up, and its callers run their stages themselves.
@@ -170,11 +179,36 @@ def _modules(listed: str) -> list[str]:
     return [m for m in listed.split(",") if m]
 
 
-def _recent(path: str, days: float) -> bool:
+def default_spares() -> int:
+    """One spare per two cores, SPARES_MIN to SPARES_MAX, and no more than the available memory
+    holds at SPARE_BYTES each (but SPARES_MIN in any case)."""
+    by_cores = (os.cpu_count() or 2) // 2
+    by_memory = SPARES_MAX
     try:
-        return time.time() - os.stat(path).st_mtime < days * 86400
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    by_memory = int(line.split()[1]) * 1024 // SPARE_BYTES
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(SPARES_MIN, min(SPARES_MAX, by_cores, by_memory))
+
+
+def remembered_mode(mode_file: str) -> str | None:
+    """"spares" or "forks", as the toolchain's last server found within SPARES_DAYS, else None."""
+    try:
+        if time.time() - os.stat(mode_file).st_mtime >= SPARES_DAYS * 86400:
+            return None
+        with open(mode_file) as remembered:
+            return "forks" if remembered.read().startswith("forks") else "spares"
     except OSError:
-        return False
+        return None
+
+
+def nvidia_driver_loaded() -> bool:
+    """Whether this machine's kernel has the NVIDIA driver (not whether a process initialised it:
+    asking that would map the library into the server, which must stay clear of it)."""
+    return os.path.exists("/proc/driver/nvidia/version")
 
 
 class _Worker:
@@ -209,18 +243,23 @@ class _Worker:
 
 def _serve(path: str, idle: float, modules: list[str], mode_file: str) -> None:
     try:
-        spares = max(1, int(os.environ.get(SPARES_ENV) or SPARES))
+        spares = max(1, int(os.environ.get(SPARES_ENV) or default_spares()))
     except ValueError:
-        spares = SPARES
+        spares = default_spares()
     temporary = f"{path}.{os.getpid()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(temporary)
     listener.listen(64)
-    mode = "spares" if _recent(mode_file, SPARES_DAYS) else None  # None: the first worker will say
-    if mode:
+    remembered = remembered_mode(mode_file)
+    mode = None  # None: one worker, until it says
+    if remembered == "spares":
+        mode = "spares"
         print(f"warm: starting {spares} spares at once, as {mode_file} says", flush=True)
+    elif remembered is None and nvidia_driver_loaded():
+        mode = "spares"
+        print(f"warm: starting {spares} spares at once: the NVIDIA driver is loaded here", flush=True)
     workers: list[_Worker] = []
-    mine, failures, last_call = None, 0, time.monotonic()
+    mine, failures, last_call, decided = None, 0, time.monotonic(), False
     while mine is None or _still_mine(path, mine):
         wanted = {None: 1, "spares": spares, "forks": 0}[mode]
         while sum(w.state in ("importing", "ready") for w in workers) < wanted and failures < WORKER_FAILURES:
@@ -239,11 +278,12 @@ def _serve(path: str, idle: float, modules: list[str], mode_file: str) -> None:
                 last_call = time.monotonic()
             elif worker.state != was:  # imported: F or R
                 failures = 0
-                if mode == "forks" and worker.state == "forking":  # one forking worker is enough
+                said = "forks" if worker.state == "forking" else "spares"
+                if decided and mode == "forks" and said == "forks":  # one forking worker is enough
                     worker.channel.close()
                     workers.remove(worker)
-                elif mode is None or mode == "spares" and worker.state == "forking":
-                    mode = "forks" if worker.state == "forking" else "spares"
+                elif not decided or mode == "spares" and said == "forks":
+                    mode, decided = said, True
                     _remember(mode_file, mode)
                     print(f"warm: serving calls with {'forks of one worker' if mode == 'forks' else f'{spares} spares'}",
                           flush=True)
@@ -270,11 +310,8 @@ def _serve(path: str, idle: float, modules: list[str], mode_file: str) -> None:
 
 def _remember(mode_file: str, mode: str) -> None:
     try:
-        if mode == "spares":
-            with open(mode_file, "w") as remembered:
-                remembered.write(str(time.time()))
-        elif os.path.exists(mode_file):
-            os.unlink(mode_file)
+        with open(mode_file, "w") as remembered:
+            remembered.write(f"{mode} {time.time()}")
     except OSError:
         pass  # only a hint for the next server
 
