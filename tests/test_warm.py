@@ -244,6 +244,26 @@ def _stop(processes: warm.WarmProcesses, pid) -> None:
     assert pid is None or not _alive(pid)
 
 
+def test_a_mode_file_says_spares_or_forks_for_a_week_and_old_ones_still_read(tmp_path):
+    mode_file = str(tmp_path / "toolchain.mode")
+    assert warm_server.remembered_mode(mode_file) is None  # none yet: the first worker will say
+    warm_server._remember(mode_file, "forks")
+    assert warm_server.remembered_mode(mode_file) == "forks"
+    warm_server._remember(mode_file, "spares")
+    assert warm_server.remembered_mode(mode_file) == "spares"
+    Path(mode_file).write_text(str(time.time()))  # the format before forks were noted: only spares were
+    assert warm_server.remembered_mode(mode_file) == "spares"
+    stale = time.time() - warm_server.SPARES_DAYS * 86400 - 60
+    os.utime(mode_file, (stale, stale))
+    assert warm_server.remembered_mode(mode_file) is None
+
+
+def test_the_default_spares_follow_the_cores_within_bounds():
+    spares = warm_server.default_spares()
+    assert warm_server.SPARES_MIN <= spares <= warm_server.SPARES_MAX
+    assert spares <= max(warm_server.SPARES_MIN, (os.cpu_count() or 2) // 2)
+
+
 def test_off_by_switch_and_by_default_only_where_asked(monkeypatch):
     assert warm.enabled(default=True, environ={}) and not warm.enabled(default=False, environ={})
     assert warm.enabled(default=False, environ={warm.ENV: "1"})
