@@ -298,7 +298,8 @@ def test_a_stage_run_warm_is_the_stage_run_here(tiny_copy, tmp_path):
         # the server at its first stage that must run, which then runs in a spare that had
         # imported torch, and gives the same bytes.
         third = "decode.compile_wrapper_opt_level=O1"
-        spares_env = dict(warm_env, CUDABUILD_WARM_MODE="spares")
+        # (Three spares said outright: the default follows the cores, and this test the log line.)
+        spares_env = dict(warm_env, CUDABUILD_WARM_MODE="spares", CUDABUILD_WARM_SPARES="3")
         assert_ok(tiny_copy.doit("-n", "2", "export", "model=tiny_lm", "target=cpu", third, env=spares_env))
         compile_span, inside = _compile_decode(tiny_copy)
         assert compile_span["args"]["warm"] not in (None, server)

@@ -183,7 +183,8 @@ def answered(store_root: Optional[Path]) -> Iterator[Optional[ProbeCount]]:
     hangs = _HangWatch()
     ahead: dict[Path, Future] = {}
     ahead_started = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=max(1, len(_listed(cpu_vec_isa))), thread_name_prefix="isa-probe")
+    listed = _listed(cpu_vec_isa)
+    pool = ThreadPoolExecutor(max_workers=max(1, len(listed)), thread_name_prefix="isa-probe")
 
     def checked_by_torch(isa, code: str, path: Path) -> tuple[bool, bool]:
         """torch's own check: (its answer, whether the question was still `path` when it ended).
@@ -225,7 +226,7 @@ def answered(store_root: Optional[Path]) -> Iterator[Optional[ProbeCount]]:
         if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
             return  # this process asked already (a worker's earlier compile): torch will not ask again
         code = cpu_vec_isa.VecISA._avx_code
-        for isa in _listed(cpu_vec_isa):
+        for isa in listed:
             path = probe_path(store_root, machine, isa, code)
             if path not in ahead and _known_answer(path) is None:
                 ahead[path] = pool.submit(checked_by_torch, isa, code, path)
