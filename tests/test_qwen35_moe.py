@@ -214,3 +214,59 @@ def test_the_adopted_bundle_is_loaded_where_it_lies(bundle, tmp_path):
     assert json.loads(written[quant.ADOPTED].read_text()) == {"folder": str(bundle.resolve())}
     loaded = q.load(dict(OPTIONS, prequantized=str(bundle)), tmp_path)
     assert loaded.config.num_hidden_layers == 4
+
+
+def _bundle_tensors(path) -> dict:
+    from executorch.examples.models.qwen3_5_moe.quantize_and_save import load_quantized_state_dict
+
+    return {name: _inner(t) for name, t in load_quantized_state_dict(str(path)).items()}
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_drawn_weights_are_the_same_tensors_whatever_the_number_of_layers(tmp_path):
+    """Past the tiny size each tensor is drawn by its own generator (seed, name), a part at a time:
+    a cut model's bundle holds the first layers of the whole one's, and a second run the same bytes."""
+    options = dict(OPTIONS, size="35b-a3b")  # the drawn path, at the tiny shapes of `config` below
+    full, cut = quant.model_config(OPTIONS), quant.model_config(dict(OPTIONS, layers=2))
+    quant.quantize_streamed(options, full, tmp_path / "full.safetensors", "cpu")
+    quant.quantize_streamed(options, full, tmp_path / "again.safetensors", "cpu")
+    quant.quantize_streamed(dict(options, layers=2), cut, tmp_path / "cut.safetensors", "cpu")
+    assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "again.safetensors").read_bytes()
+    whole, first = _bundle_tensors(tmp_path / "full.safetensors"), _bundle_tensors(tmp_path / "cut.safetensors")
+    assert sorted(first) == sorted(n for n in whole if not n.startswith(("layers.2.", "layers.3.")))
+    assert all(_same(first[n], whole[n]) for n in first)
+
+
+def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_does(tmp_path):
+    """The streamed quantizer reads a checkpoint a part at a time (ExecuTorch's lazy subset reader);
+    its bundle holds exactly what the stock whole-model path makes of the same checkpoint."""
+    from dataclasses import replace
+
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
+
+    from cudabuild.models import checkpoint as ck
+    from cudabuild.models import qwen_moe as qm
+    from cudabuild.models import qwen_moe_hf as qhf
+
+    args = replace(qm.SIZES["tiny"], dtype=torch.bfloat16, max_seq_len=64)
+    tensors = {k: v.to(torch.bfloat16) for k, v in ck.gather_tensors(qm.build(args, seed=3), qhf.hf_targets(args)).items()}
+    ck.save_checkpoint(tmp_path / "ckpt", tensors, qhf.hf_config(args, torch.bfloat16), shards=2)
+    options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
+    config = quant.model_config(options)
+    quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")
+    whole, _ = Qwen35MoE.from_hf_checkpoint(str(tmp_path / "ckpt"), max_seq_len=64)
+    whole = quant._frozen(whole.to(torch.bfloat16))
+    quant.quantize_model(whole, config, options, "cpu")
+    want = {n: _inner(t) for n, t in quant.weights(whole)}
+    got = _bundle_tensors(tmp_path / "streamed.safetensors")
+    assert sorted(got) == sorted(want)
+    assert [n for n in want if not _same(got[n], want[n])] == []
+
+
+def _inner(t) -> list:
+    t = t.data if isinstance(t, torch.nn.Parameter) else t
+    inner = getattr(t, "__tensor_flatten__", None)
+    return [getattr(t, n) for n in inner()[0]] if inner else [t]

@@ -7,7 +7,10 @@
 #   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
 #   qwenwarm  the same with warm processes on
 #   tests     the GPU tests of the cuda target
+#   quant40   bench/quantize_full.py: the quantize stage alone at size=35b-a3b, all 40 layers, min/max then HQQ
 #   driver    which warm imports map or initialise the CUDA driver (bench/gpu/driver_probe.py)
+#   truth     bench/qwen_moe_truth.py: at size=35b-a3b layers=$LAYERS (default 4), the compiled methods
+#             and bf16 eager each against an fp32 eager truth of the same int4 weights
 # BUDGET (seconds, default 540) bounds the cases' own budgets; the call's limit is 600 s.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,12 +37,16 @@ for case in "$@"; do
     qwen)     python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     qwenwarm) CUDABUILD_WARM=1 python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
+    truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
+    quant40)  python3 bench/quantize_full.py --layers "${LAYERS:-0}" --budget "$left" --out "$dir/r" ;;
     driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;
     *)        echo "session: unknown case $case"; continue ;;
   esac > "$dir/stdout.txt" 2>&1
   echo "$case: rc=$? after $(( $(date +%s) - started )) s" | tee -a "$OUT/cases.txt"
   [ -f "$dir/r/cuda_target.json" ] && cp "$dir/r/cuda_target.json" "$OUT/$case.json"
   [ -f "$dir/r/qwen_moe_cuda.json" ] && cp "$dir/r/qwen_moe_cuda.json" "$OUT/$case.json"
+  [ -f "$dir/r/qwen_moe_truth.json" ] && cp "$dir/r/qwen_moe_truth.json" "$OUT/$case.json"
+  [ -f "$dir/r/quantize_full.json" ] && cp "$dir/r/quantize_full.json" "$OUT/$case.json"
   grep -h "CPU ISA probe\|warm:" "$dir"/r/logs-*/*.log /tmp/cudabuild-warm-*/*.log 2>/dev/null | sort | uniq -c > "$dir/probes.txt"
   mkdir -p "$dir/warm" && cp /tmp/cudabuild-warm-*/*.log "$dir/warm/" 2>/dev/null
   tar -C "$OUT" -czf "$OUT/$case.tgz" "$case" && rm -rf "$dir"

@@ -25,11 +25,13 @@ steps run on the CPU where torchao can, as the tests do with qlinear=8w):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 import types
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -119,35 +121,6 @@ def seeded_model(config, seed: int):
     return _frozen(model)
 
 
-def checkpoint_model(folder: str, config):
-    """A Hugging Face checkpoint through ExecuTorch's loaders: `from_hf_checkpoint` for the whole
-    model; its lazy subset reader for the first `config.num_hidden_layers` layers (so a cut model
-    reads only the tensors it keeps)."""
-    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE, Qwen35MoEConfig
-
-    folder = os.path.expanduser(folder)
-    full = Qwen35MoEConfig.from_hf_config(os.path.join(folder, CONFIG))
-    if config.num_hidden_layers == full.num_hidden_layers:
-        model, _ = Qwen35MoE.from_hf_checkpoint(folder, max_seq_len=config.max_seq_len)
-        return _frozen(model)
-    from executorch.examples.models.qwen3_5_moe.quantize_and_save import _load_remapped_subset, _open_checkpoint_shards
-
-    kept = config.num_hidden_layers
-
-    def wanted(key: str) -> bool:  # model.layers.<i>.… for i < kept, and everything outside the layers
-        parts = key.split(".")
-        return not (len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= kept)
-
-    weight_map, handle = _open_checkpoint_shards(folder)
-    state = _load_remapped_subset(weight_map, handle, config, wanted)
-    if "lm_head.weight" not in state and "embed_tokens.weight" in state:  # tied embeddings
-        state["lm_head.weight"] = state["embed_tokens.weight"].clone()
-    with torch.device("meta"):
-        model = Qwen35MoE(config)
-    model.load_state_dict(state, strict=False, assign=True)
-    return _frozen(model)
-
-
 def _frozen(model):
     model.eval()
     for p in model.parameters():
@@ -164,7 +137,8 @@ def _on(module, device: str, dtype=None) -> None:
 
 
 def quantize_model(model, config, options: Mapping[str, Any], device: str) -> None:
-    """The stock exporter's `_quantize`, in place, with the linears quantized on `device`."""
+    """The stock exporter's `_quantize` on a whole model, in place, with the linears quantized on
+    `device`: the reference the streamed quantizer is checked against (tests), not the build's path."""
     from executorch.examples.models.qwen3_5_moe.export import _quantize_experts_int4
     from executorch.extension.llm.export.quantize import quantize_model_
 
@@ -201,12 +175,179 @@ def weights(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, t) for name, t in items if not any(marker in name for marker in RUNTIME_BUFFERS)]
 
 
-def quantize(options: Mapping[str, Any], folder: Path, device: str) -> dict[str, Path]:
-    """Build and quantize the model the options describe; write the bundle into `folder`. A stock
-    prequantized bundle (`prequantized=DIR`) is adopted as it is: `bundle.json` names it, and its
-    tensors key this stage like a checkpoint's."""
-    from executorch.examples.models.qwen3_5_moe.quantize_and_save import save_quantized_tensors
+# -- the streamed quantizer: one part of the model at a time ----------------------------------------
+#
+# A part is the embedding, one decoder layer, the final norm or the lm_head. Its bf16 weights are
+# made (drawn, or read from the checkpoint's shards) on the device, quantized there, moved to the
+# host and handed to the bundle's writer, which writes them while the next part is made: the device
+# holds about one layer (or the lm_head) at a time, the host one part, never the whole bf16 model.
 
+
+def _seed_of(seed: int, name: str) -> int:
+    """Each drawn tensor's own generator seed: the same tensor whatever the number of layers."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _drawn(module, prefix: str, seed: int, device: str):
+    """`module` (built on meta) given bf16 weights on `device`, each parameter from N(0, 0.02) by
+    its own generator, as the stock --tiny-test draws every parameter from N(0, 0.02)."""
+    module = module.to_empty(device=device).to(torch.bfloat16)
+    for name, p in module.named_parameters():
+        generator = torch.Generator(device=device).manual_seed(_seed_of(seed, prefix + name))
+        p.data.normal_(0, 0.02, generator=generator)
+    return _frozen(module)
+
+
+def _parts(options: Mapping[str, Any], config, device: str) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(prefix, bf16 module on `device`) for every part, in order: the embedding, the layers, the
+    norm, the lm_head. A top-level part comes wrapped (`{"lm_head": Linear}`, prefix ""), a layer
+    as its Block (prefix `layers.<i>.`), so the module's own names are the model's.
+
+    The tiny size keeps the stock --tiny-test weights exactly (the whole model drawn on the CPU in
+    its order, then handed out part by part), so its package can be compared with the stock
+    exporter's byte for byte; other sizes draw each tensor on the device; a checkpoint is read a
+    part at a time through ExecuTorch's lazy subset reader."""
+    from executorch.examples.models.qwen3_5_moe.model import Block, GemmaRMSNorm
+
+    if options.get("checkpoint"):
+        yield from _checkpoint_parts(options["checkpoint"], config, device)
+        return
+    seed = int(options["seed"])
+    if options["size"] == "tiny":
+        model = seeded_model(config, seed)
+        yield "", _frozen(torch.nn.ModuleDict({"embed_tokens": model.embed_tokens}).to(device))
+        for i, layer in enumerate(model.layers):
+            yield f"layers.{i}.", _frozen(layer.to(device))
+        yield "", _frozen(torch.nn.ModuleDict({"norm": model.norm}).to(device))
+        yield "", _frozen(torch.nn.ModuleDict({"lm_head": model.lm_head}).to(device))
+        return
+    with torch.device("meta"):
+        top = {"embed_tokens": torch.nn.Embedding(config.vocab_size, config.hidden_size),
+               "norm": GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+               "lm_head": torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)}
+    yield "", _drawn(torch.nn.ModuleDict({"embed_tokens": top["embed_tokens"]}), "", seed, device)
+    for i in range(config.num_hidden_layers):
+        with torch.device("meta"):
+            block = Block(config, layer_idx=i)
+        yield f"layers.{i}.", _drawn(block, f"layers.{i}.", seed, device)
+    for name in ("norm", "lm_head"):
+        yield "", _drawn(torch.nn.ModuleDict({name: top[name]}), "", seed, device)
+
+
+def _checkpoint_parts(folder: str, config, device: str) -> Iterator[tuple[str, torch.nn.Module]]:
+    from executorch.examples.models.qwen3_5_moe.model import Block, GemmaRMSNorm
+    from executorch.examples.models.qwen3_5_moe.quantize_and_save import _load_remapped_subset, _open_checkpoint_shards
+
+    from cudabuild.errors import InvalidOption
+
+    weight_map, handle = _open_checkpoint_shards(os.path.expanduser(folder))
+
+    def read(wanted) -> dict:
+        return _load_remapped_subset(weight_map, handle, config, wanted)
+
+    def filled(module, state: dict, prefix: str):
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        module.load_state_dict(own, strict=False, assign=True)
+        missing = [prefix + n for n, p in module.named_parameters() if p.device.type == "meta"]
+        if missing:
+            raise InvalidOption(f"checkpoint={folder}: no tensor for {', '.join(missing[:4])}"
+                                f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}")
+        for name, buf in list(module.named_buffers()):  # runtime state the checkpoint leaves on meta
+            if buf.device.type == "meta":
+                owner, _, leaf = name.rpartition(".")
+                (module.get_submodule(owner) if owner else module).register_buffer(leaf, torch.zeros(buf.shape, dtype=buf.dtype))
+        return _frozen(module.to(device=device, dtype=torch.bfloat16))
+
+    top = read(lambda n: n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
+    if "lm_head.weight" not in top and "embed_tokens.weight" in top:
+        top["lm_head.weight"] = top["embed_tokens.weight"]  # tied: the lm_head gets its own copy, as the stock exporter unties it
+    with torch.device("meta"):
+        wrapped = {"embed_tokens": torch.nn.Embedding(config.vocab_size, config.hidden_size),
+                   "norm": GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+                   "lm_head": torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)}
+    yield "", filled(torch.nn.ModuleDict({"embed_tokens": wrapped["embed_tokens"]}), top, "")
+    for i in range(config.num_hidden_layers):
+        with torch.device("meta"):
+            block = Block(config, layer_idx=i)
+        yield f"layers.{i}.", filled(block, read(lambda n, i=i: n.startswith(f"model.layers.{i}.")), f"layers.{i}.")
+    for name in ("norm", "lm_head"):
+        yield "", filled(torch.nn.ModuleDict({name: wrapped[name]}), top, "")
+
+
+def _quantize_part(prefix: str, module, config, options: Mapping[str, Any]) -> None:
+    """The stock `_quantize`'s steps for one part, in place, where the part lies: a layer's experts
+    to packed int4 and its linears (as the lm_head's) by `qlinear`; the embedding by `qembedding`."""
+    from executorch.examples.models.qwen3_5_moe.export import _quantize_experts_int4
+    from executorch.extension.llm.export.quantize import quantize_model_
+
+    qlinear, group = options["qlinear"], int(options["qlinear_group_size"])
+    packing = "tile_packed_to_4d" if qlinear == "4w" else None
+    if prefix.startswith("layers."):
+        _quantize_experts_int4(types.SimpleNamespace(layers=[module]), config, group, use_hqq=bool(options["hqq"]))
+        quantize_model_(module, qlinear_config=qlinear, qlinear_group_size=group, qlinear_packing_format=packing)
+    elif "lm_head" in module:
+        quantize_model_(module, qlinear_config=qlinear, qlinear_group_size=group, qlinear_packing_format=packing)
+    elif "embed_tokens" in module and options.get("qembedding"):
+        quantize_model_(module, qembedding_config=options["qembedding"])
+
+
+def _flattened(prefix: str, module) -> tuple[dict, dict]:
+    """The part's bundle tensors in torchao's flattened form (plain tensors, and metadata that
+    rebuilds the subclasses), named from the model's root."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    items = list(module.named_parameters()) + list(module.named_buffers())
+    state = {}
+    for name, t in items:
+        full = prefix + name
+        if any(marker in full for marker in RUNTIME_BUFFERS) or full in state:
+            continue
+        state[full] = t.data if isinstance(t, torch.nn.Parameter) else t
+    return flatten_tensor_state_dict(state)
+
+
+def quantize_streamed(options: Mapping[str, Any], config, path: Path, device: str) -> dict:
+    """Make, quantize and write every part in turn; the bundle at `path`. Returns what it measured."""
+    from cudabuild.models.safetensors_stream import SafetensorsStream
+
+    names: list[str] = []
+    started = time.monotonic()
+    timings = {"make": 0.0, "quantize": 0.0, "hand_off": 0.0}
+    with SafetensorsStream(path, expected_tensors=64 * (config.num_hidden_layers + 4)) as out:
+        parts = _parts(options, config, device)
+        while True:
+            t0 = time.monotonic()
+            part = next(parts, None)
+            if part is None:
+                break
+            prefix, module = part
+            t1 = time.monotonic()
+            _quantize_part(prefix, module, config, options)
+            _synchronize(device)
+            t2 = time.monotonic()
+            tensors, metadata = _flattened(prefix, module)
+            names += json.loads(metadata.pop("tensor_names"))
+            out.metadata.update(metadata)
+            out.add(tensors)
+            del module, tensors
+            _release(device)
+            timings["make"] += t1 - t0
+            timings["quantize"] += t2 - t1
+            timings["hand_off"] += time.monotonic() - t2
+        out.metadata["tensor_names"] = json.dumps(names)
+    timings["seconds"] = time.monotonic() - started
+    return {k: round(v, 2) for k, v in timings.items()}
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def quantize(options: Mapping[str, Any], folder: Path, device: str) -> dict[str, Path]:
+    """Build and quantize the model the options describe, a part at a time; write the bundle into
+    `folder`. A stock prequantized bundle (`prequantized=DIR`) is adopted as it is: `bundle.json`
+    names it, and its tensors key this stage like a checkpoint's."""
     folder.mkdir(parents=True, exist_ok=True)
     if options.get("prequantized"):
         bundle = Path(options["prequantized"]).expanduser().resolve()
@@ -215,13 +356,8 @@ def quantize(options: Mapping[str, Any], folder: Path, device: str) -> dict[str,
         files[ADOPTED].write_text(json.dumps({"folder": str(bundle)}))
         return files
     config = model_config(options)
-    if options.get("checkpoint"):
-        model = checkpoint_model(options["checkpoint"], config)
-    else:
-        model = seeded_model(config, int(options["seed"]))
-    quantize_model(model, config, options, device)
     files = {BUNDLE: folder / BUNDLE, CONFIG: folder / CONFIG}
-    save_quantized_tensors(weights(model), str(files[BUNDLE]))
+    quantize_streamed(options, config, files[BUNDLE], device)
     files[CONFIG].write_text(json.dumps(hf_config(config), indent=1, sort_keys=True))
     return files
 

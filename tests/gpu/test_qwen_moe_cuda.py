@@ -154,10 +154,10 @@ def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_pat
     tensors = {k: v.to(torch.bfloat16) for k, v in ck.gather_tensors(source, qhf.hf_targets(args)).items()}
     ck.save_checkpoint(tmp_path, tensors, qhf.hf_config(args, torch.bfloat16))
 
-    config = quant.model_config({"checkpoint": str(tmp_path), "layers": 0})
-    config.max_seq_len = args.max_seq_len
-    theirs = quant.checkpoint_model(str(tmp_path), config)
-    theirs.to(dtype=torch.bfloat16)
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
+
+    theirs, config = Qwen35MoE.from_hf_checkpoint(str(tmp_path), max_seq_len=args.max_seq_len)
+    theirs = quant._frozen(theirs.to(dtype=torch.bfloat16))
     _quantize_experts_int4(theirs, config, 32)
     _materialize_buffers(theirs, config)
     _move_to_cuda(theirs, config)
