@@ -6,6 +6,9 @@
     cudabuild cache verify
     cudabuild cache gc --max-size 2G --max-age 30 [--dry-run]
     cudabuild warm [stop [--all]]
+    cudabuild start model=qwen_moe target=cuda size=35b-a3b      # a build that outlives this command
+    cudabuild status model=qwen_moe target=cuda size=35b-a3b
+    cudabuild wait model=qwen_moe target=cuda size=35b-a3b --timeout 540
 
 Building stays `doit export ...` (dodo.py). The project is $CUDABUILD_PROJECT or the current
 directory, the cache $CUDABUILD_CACHE_DIR (default ~/.cache/cudabuild). A user error is one line
@@ -32,6 +35,9 @@ COMMANDS = (
     ("cache verify", "re-hash every blob; drop corrupt ones and the records that named them"),
     ("cache gc", "evict least-recently-used entries that build/ does not reference, down to --max-size"),
     ("warm", "the warm processes that run stages with torch imported already; `warm stop` ends this cache's"),
+    ("start", "`doit export SETTINGS` in a session of its own, which outlives this command (and the terminal)"),
+    ("status", "the detached build of these settings: running, done or failed; the stages it finished; its log's end"),
+    ("wait", "wait for the detached build to end; its exit status, or 124 if --timeout passes first"),
 )
 
 
@@ -93,6 +99,12 @@ def _parser() -> _Parser:
                                description=ABOUT["warm"] + " (--all: every cache's).")
     warm.add_argument("action", nargs="?", choices=("list", "stop"), default="list")
     warm.add_argument("--all", action="store_true", help="with stop: every warm process of this user, not only this cache's")
+    for name in ("start", "status", "wait"):
+        detached = commands.add_parser(name, prog=f"cudabuild {name}", description=ABOUT[name] + ".",
+                                       usage=f"cudabuild {name} model=NAME [NAME=VALUE ...]" + (" [--timeout S]" if name == "wait" else ""))
+        detached.add_argument("settings", nargs="*", metavar="NAME=VALUE", help="as for doit export")
+        if name == "wait":
+            detached.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit status 124)")
     return parser
 
 
@@ -223,6 +235,34 @@ def cmd_warm(args) -> int:
     return 0
 
 
+def cmd_detached(args) -> int:
+    """start / status / wait: the build directory is the one `doit export` would use for these settings."""
+    from cudabuild import detached
+    from cudabuild.config import load_config
+    from cudabuild.engine.store import Store
+
+    store = Store()
+    try:
+        config = load_config(_project(), _settings(args.settings, args.command), store)  # bad settings: one line, now
+    finally:
+        store.close()
+    build_dir = config.build_dir
+    if args.command == "start":
+        record, started = detached.start(build_dir, _project(), args.settings)
+        verb = "started" if started else "already running"
+        print(f"{verb}: pid {record['pid']}, log {build_dir / detached.LOG}; `cudabuild status` or `cudabuild wait` with the same settings")
+        return 0
+    if args.command == "status":
+        print("\n".join(detached.describe(build_dir)))
+        return 0
+    record = detached.wait(build_dir, args.timeout)
+    if record is None:
+        print(f"still running after {args.timeout:g} s", file=sys.stderr)
+        return 124
+    print("\n".join(detached.describe(build_dir)))
+    return int(record.get("rc", 1))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -230,7 +270,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             names = ", ".join(name for name, _ in COMMANDS)
             raise UsageError(f"no command given; commands: {names} (see cudabuild --help)")
         args = _parser().parse_args(argv)
-        return {"explain": cmd_explain, "report": cmd_report, "warm": cmd_warm}.get(args.command, cmd_cache)(args)
+        commands = {"explain": cmd_explain, "report": cmd_report, "warm": cmd_warm,
+                    "start": cmd_detached, "status": cmd_detached, "wait": cmd_detached}
+        return commands.get(args.command, cmd_cache)(args)
     except SystemExit as e:  # --help, which argparse ends with exit(0)
         return e.code if isinstance(e.code, int) else 0
     except CudabuildError as e:

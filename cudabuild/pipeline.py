@@ -114,9 +114,14 @@ def _package(ctx: KeyContext) -> dict:
 
 
 def _reference(ctx: KeyContext) -> dict:
-    # The eager run calls the program's Triton ops (ExecuTorch's, flash-linear-attention's).
-    sampler = (ctx.config.description.get("samplers") or {}).get(ctx.method)
-    return {"toolchain": _toolchain(ctx, "torch", "executorch", "triton"), **({"sampler": sampler} if sampler else {})}
+    # The eager run calls the program's Triton ops (ExecuTorch's, flash-linear-attention's); a
+    # recipe's fp32 truth is computed from the quantize stage's weights (an input) by its own code.
+    config = ctx.config
+    sampler = (config.description.get("samplers") or {}).get(ctx.method)
+    truth = (config.description.get("quantize") or {}).get("truth_sources")
+    sources = config.description["sources"]
+    return {"toolchain": _toolchain(ctx, "torch", "executorch", "triton"), **({"sampler": sampler} if sampler else {}),
+            **({"truth": {path: sources.get(path) for path in truth}} if truth else {})}
 
 
 def _reference_apart(config) -> bool:
@@ -174,8 +179,9 @@ PIPELINE = Pipeline(
                   params=_package, final_outputs=True),
         # After compile and package in the table, so that a free worker takes it only once nothing
         # on the way to the package is waiting: it is off that chain.
-        StageKind("reference", version=1, per_method=True, module=STAGES + "reference", consumes=("probe", "export[m]"),
-                  results={"graph": "export[m]"}, params=_reference, applies=_reference_apart, device=_accelerator),
+        StageKind("reference", version=2, per_method=True, module=STAGES + "reference",
+                  consumes=("probe", "quantize", "export[m]"), results={"graph": "export[m]", "weights": "quantize"},
+                  params=_reference, applies=_reference_apart, device=_accelerator),
         StageKind("verify", version=2, per_method=True, module=STAGES + "verify",
                   consumes=("probe", "export[m]", "edge[m]", "compile[m]", "package", "reference[m]"),
                   results={"graph": "export[m]", "compiled": "compile[m]", "reference": "reference[m]"}, params=_verify,

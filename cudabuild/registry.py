@@ -178,8 +178,10 @@ def _quantize_description(project: Path, quantize) -> Optional[dict]:
     if path is None:
         raise RecipeError(f"the quantize step of a recipe must be defined in a module of the project, "
                           f"not {quantize.run.__module__}")
+    truth = _module_file(project, quantize.truth.__module__) if quantize.truth is not None else None
     return {"options": list(quantize.options), "folders": list(quantize.folders), "on_device": quantize.on_device,
-            "sources": [str(p.relative_to(project)) for p in module_closure(project, path)]}
+            "sources": [str(p.relative_to(project)) for p in module_closure(project, path)],
+            "truth_sources": [str(p.relative_to(project)) for p in module_closure(project, truth)] if truth else None}
 
 
 def resolve_options(project: Path, description: dict, options: dict, store) -> dict:

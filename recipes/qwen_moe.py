@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from cudabuild.errors import InvalidOption
-from cudabuild.models import checkpoint, qwen35_moe, qwen35_moe_quantize, qwen_moe, qwen_moe_hf
+from cudabuild.models import checkpoint, qwen35_moe, qwen35_moe_fp32, qwen35_moe_quantize, qwen_moe, qwen_moe_hf
 from cudabuild.recipe import Lowering, Method, Quantize, Recipe, Sampler
 
 # A checkpoint's own context (262144 for Qwen3.5) would size a KV cache and a prefill graph far
@@ -109,7 +109,7 @@ def metadata(model):
 # ExecuTorch's Qwen3.5-MoE on its CUDA backend, as its export.py builds it.
 CUDA = Recipe(
     build=None,
-    quantize=Quantize(run=qwen35_moe_quantize.quantize, load=qwen35_moe.load,
+    quantize=Quantize(run=qwen35_moe_quantize.quantize, load=qwen35_moe.load, truth=qwen35_moe_fp32.truth,
                       options=qwen35_moe.QUANTIZE_OPTIONS, folders=qwen35_moe.QUANTIZE_FOLDERS),
     methods=(
         Method("decode", inputs=qwen35_moe.decode_inputs, prepare=qwen35_moe.prepare_decode,

@@ -93,7 +93,7 @@ def test_the_exported_decode_has_the_stock_signature_and_metadata(model, decode)
 
 def test_the_chunked_delta_rule_is_handed_contiguous_tensors(model):
     # Its FLA kernels read every input as contiguous [B, T, H, *]; ExecuTorch's layer hands it a
-    # strided view of v (q.hand_the_delta_rule_contiguous_tensors). A strided v must give what its
+    # strided view of v (custom_ops.hand_the_delta_rule_contiguous_tensors). A strided v must give what its
     # contiguous copy gives. The exported program keeps the stock call, v strided as the layer
     # makes it: the copy happens inside the op, eagerly and in the decomposition AOTInductor
     # compiles (tests/gpu's verify compares the two).
@@ -270,3 +270,61 @@ def _inner(t) -> list:
     t = t.data if isinstance(t, torch.nn.Parameter) else t
     inner = getattr(t, "__tensor_flatten__", None)
     return [getattr(t, n) for n in inner()[0]] if inner else [t]
+
+
+def test_the_fp32_truth_computes_prefill_and_token_by_token_decode_alike(bundle):
+    """The truth's plain ops, checked against each other: a 9-token prompt at once (the chunked
+    delta rule's answer, the batched MoE's) and the same tokens one at a time (the decode kernels')
+    leave the same state, to fp32's rounding; bf16 runs stray from it by more than that."""
+    from cudabuild.models import qwen35_moe_fp32 as fp32
+
+    tokens = ((torch.arange(9) * 37 + 11) % 256)[None]
+    prompt = [(tokens, torch.arange(9), None)]
+    one_by_one = [(tokens[:, i:i + 1], torch.tensor([i]), None) for i in range(9)]
+    at_once = fp32.truth(OPTIONS, bundle, q.prepare_prefill, prompt, "cpu")
+    stepped = fp32.truth(OPTIONS, bundle, q.prepare_decode, one_by_one, "cpu")
+    assert sorted(at_once["truth"]["states"]) == sorted(stepped["truth"]["states"]) != []
+    for name, state in at_once["truth"]["states"].items():
+        assert state.dtype == torch.float32
+        torch.testing.assert_close(state, stepped["truth"]["states"][name], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(at_once["truth"]["logits"][-1], stepped["truth"]["logits"][-1], atol=1e-5, rtol=1e-5)
+    assert at_once["runs"] == 1 + fp32.NOISY_RUNS
+    assert sorted(at_once["envelope"]["states"]) == sorted(at_once["truth"]["states"])
+    assert min(at_once["envelope"]["states"].values()) > 1e-5  # bf16 strays further than fp32's own rounding
+
+
+def test_verify_judges_by_the_truth_where_there_is_one():
+    """A compiled state far from the bf16 eager run but no further from the fp32 truth than bf16
+    runs are passes; one far outside what bf16 does fails, and the report says by how much."""
+    truth_state, eager_state = torch.zeros(4, 8), torch.full((4, 8), 0.5)  # bf16 lies 0.5 from the truth
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    truth = {"truth": {"logits": [logits], "states": {"s": truth_state}},
+             "envelope": {"states": {"s": 0.5}, "gaps": [0.1]}}
+    eager = [(torch.tensor([[1]]), logits)]
+    near = sampled_logits.judge(eager, [torch.tensor([[2]])], {"s": eager_state}, {"s": torch.full((4, 8), -0.6)},
+                                0.05, truth=truth)
+    assert near["passed"] and near["judged_by"] == "truth"
+    assert near["states"][0]["truth_diff"] == pytest.approx(0.6) and near["states"][0]["max_abs_diff"] == pytest.approx(1.1)
+    far = sampled_logits.judge(eager, [torch.tensor([[3]])], {"s": eager_state}, {"s": torch.full((4, 8), 2.0)},
+                               0.05, truth=truth)
+    assert not far["passed"]
+    assert [s["ok"] for s in far["steps"]] == [False] and far["steps"][0]["truth_gap"] == pytest.approx(4.0)
+    assert far["states"][0]["allowed"] == pytest.approx(sampled_logits.MARGIN * 0.5)
+    # Without a truth, the same compiled state is judged against the eager run, as before.
+    assert not sampled_logits.judge(eager, [torch.tensor([[2]])], {"s": eager_state}, {"s": torch.full((4, 8), -0.6)},
+                                    0.05)["passed"]
+
+
+def test_an_eager_reference_far_outside_bf16s_spread_is_called_wrong_not_the_compiled_code():
+    exact = {"layers.0.attn.recurrent_state": torch.zeros(2, 2)}
+    truth = {"truth": {"logits": [torch.tensor([1.0, 0.0])], "states": exact},
+             "envelope": {"states": {"layers.0.attn.recurrent_state": 1e-4}, "gaps": [0.0]},
+             "eager": {"states": {"layers.0.attn.recurrent_state": 0.0236}, "gaps": [0.0]}}
+    eager = [(torch.tensor([[0]]), torch.tensor([1.0, 0.0]))]
+    report = sampled_logits.judge(eager, [torch.tensor([[0]])], exact, exact, 0.005, truth=truth)
+    assert not report["passed"] and all(s["ok"] for s in report["steps"] + report["states"])
+    assert report["reference"]["worst"]["buffer"] == "layers.0.attn.recurrent_state"
+    # Its token too: one 1.46 below the truth's best where every bf16 run chose the best.
+    truth["eager"] = {"states": {"layers.0.attn.recurrent_state": 0.0}, "gaps": [1.0]}
+    report = sampled_logits.judge(eager, [torch.tensor([[0]])], exact, exact, 0.005, truth=truth)
+    assert not report["passed"] and report["reference"]["worst"]["buffer"].startswith("step 0's token")

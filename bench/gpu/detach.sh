@@ -18,7 +18,8 @@ else
 fi
 deadline=$(( $(date +%s) + ${WAIT:-540} ))
 while [ "$(date +%s)" -lt "$deadline" ]; do
-  [ "$(grep -c ": rc=" "$job/out/cases.txt" 2>/dev/null)" -ge "$#" ] && break
+  done_cases=$(grep -c ": rc=" "$job/out/cases.txt" 2>/dev/null)
+  [ "${done_cases:-0}" -ge "$#" ] && break
   sleep 5
 done
 cp -r "$job/out/." "${OUT:-/tmp/out}/" 2>/dev/null

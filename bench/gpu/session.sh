@@ -7,6 +7,9 @@
 #   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
 #   qwenwarm  the same with warm processes on
 #   tests     the GPU tests of the cuda target
+#   real      bench/qwen_moe_real.py: the whole build at size=35b-a3b layers=$LAYERS (default 8), low_memory_mode ON;
+#             then a no-op and a restore; per-stage seconds and peaks, disk
+#   realtest  the GPU test at the real shapes (tests/gpu, -k real_shapes)
 #   quant40   bench/quantize_full.py: the quantize stage alone at size=35b-a3b, all 40 layers, min/max then HQQ
 #   driver    which warm imports map or initialise the CUDA driver (bench/gpu/driver_probe.py)
 #   truth     bench/qwen_moe_truth.py: at size=35b-a3b layers=$LAYERS (default 4), the compiled methods
@@ -38,6 +41,8 @@ for case in "$@"; do
     qwenwarm) CUDABUILD_WARM=1 python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
     truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
+    real)     python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
+    realtest) timeout "$left" python3 -m pytest -q tests/gpu -k real_shapes -x ;;
     quant40)  python3 bench/quantize_full.py --layers "${LAYERS:-0}" --budget "$left" --out "$dir/r" ;;
     driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;
     *)        echo "session: unknown case $case"; continue ;;
@@ -47,6 +52,7 @@ for case in "$@"; do
   [ -f "$dir/r/qwen_moe_cuda.json" ] && cp "$dir/r/qwen_moe_cuda.json" "$OUT/$case.json"
   [ -f "$dir/r/qwen_moe_truth.json" ] && cp "$dir/r/qwen_moe_truth.json" "$OUT/$case.json"
   [ -f "$dir/r/quantize_full.json" ] && cp "$dir/r/quantize_full.json" "$OUT/$case.json"
+  [ -f "$dir/r/qwen_moe_real.json" ] && cp "$dir/r/qwen_moe_real.json" "$OUT/$case.json"
   grep -h "CPU ISA probe\|warm:" "$dir"/r/logs-*/*.log /tmp/cudabuild-warm-*/*.log 2>/dev/null | sort | uniq -c > "$dir/probes.txt"
   mkdir -p "$dir/warm" && cp /tmp/cudabuild-warm-*/*.log "$dir/warm/" 2>/dev/null
   tar -C "$OUT" -czf "$OUT/$case.tgz" "$case" && rm -rf "$dir"

@@ -11,6 +11,17 @@ temperature, on the eager program and on the compiled .so, each keeping its stat
 - after the last step: every buffer of the program, among them those it mutates (KV caches, conv
   and recurrent states: each layer's whole computation), must match the eager program's, within
   the tolerance.
+
+Where the reference carries an fp32 truth (cudabuild.models.qwen35_moe_fp32: the same steps in fp32
+on the same weights, and the largest distance from it of several bf16 runs, the eager program's
+among them), the compiled program is judged against the truth instead: each step's token must be
+within the tolerance of the truth's best logit, or no further below it than MARGIN times the
+furthest bf16 run's choice; each state the truth has must be within the tolerance of it, or no
+further from it than MARGIN times the furthest bf16 run. Why: at the real shapes of a 256-expert
+MoE, bf16 routing is chaotic, and two right programs differ by whole experts' shares (the module
+docstring there has the numbers). A program that is wrong lies far outside what bf16 does: the
+reference stage's scrambled delta rule (2026-12-06) put layer 0's recurrent state 139 times as far
+from the truth as any bf16 run, and its first token 1.46 below the truth's best.
 """
 
 from __future__ import annotations
@@ -95,32 +106,83 @@ def compiled_steps(runner, steps: list, device: str, buffers: list[str]) -> tupl
     return tokens, {fqn: constants[fqn].detach().cpu() for fqn in buffers if fqn in constants}
 
 
-def judge(eager: list, compiled: list, eager_states: dict, compiled_states: dict, tolerance: float) -> dict:
+# How much further from the fp32 truth than the furthest bf16 run a compiled program may lie. The
+# bf16 runs' own spread around each other is of that order (2026-12-06, H200, 35b-a3b layers=4:
+# the compiled decode's layer-3 KV cache lay 1.21 times as far from the truth as the eager
+# program's, as far as the plain-bf16 run's); a wrong program lies orders of magnitude further.
+MARGIN = 1.5
+
+
+def _gap(logits, chosen: int) -> float:
+    row = logits.reshape(-1)
+    return float(row.max()) - float(row[chosen]) if 0 <= chosen < row.numel() else float("inf")
+
+
+def judge(eager: list, compiled: list, eager_states: dict, compiled_states: dict, tolerance: float,
+          truth: dict | None = None) -> dict:
     """The report: per step the eager argmax, the compiled token, how far its logit is below the
     largest (allowed: `tolerance` times the logits' largest magnitude), its rank; per
-    buffer the largest difference (allowed: `tolerance` times max(1, its largest magnitude))."""
-    report: dict[str, Any] = {"steps": [], "states": [], "passed": True}
+    buffer the largest difference (allowed: `tolerance` times max(1, its largest magnitude)).
+    With `truth` (see the module docstring), steps and the states it holds are judged against it."""
+    report: dict[str, Any] = {"steps": [], "states": [], "passed": True, "judged_by": "truth" if truth else "eager"}
     for i, ((_, logits), token) in enumerate(zip(eager, compiled)):
         row = logits.reshape(-1)
         chosen = int(token.reshape(-1)[0].item())
-        best = float(row.max())
-        gap = best - float(row[chosen]) if 0 <= chosen < row.numel() else float("inf")
-        allowed = tolerance * float(row.abs().max())
-        ok = gap <= allowed
-        report["steps"].append({"step": i, "eager_argmax": int(row.argmax()), "compiled_token": chosen,
-                                "logit_gap": gap, "allowed": allowed, "rank": int((row > row[chosen]).sum()) if gap != float("inf") else None,
-                                "ok": ok})
-        report["passed"] &= ok
+        gap = _gap(row, chosen)
+        entry = {"step": i, "eager_argmax": int(row.argmax()), "compiled_token": chosen, "logit_gap": gap,
+                 "rank": int((row > row[chosen]).sum()) if gap != float("inf") else None}
+        if truth:
+            best = truth["truth"]["logits"][i].reshape(-1)
+            bf16 = truth["envelope"]["gaps"][i]
+            entry.update(truth_argmax=int(best.argmax()), truth_gap=_gap(best, chosen), bf16_truth_gap=bf16,
+                         allowed=max(tolerance * float(best.abs().max()), MARGIN * bf16))
+            entry["ok"] = entry["truth_gap"] <= entry["allowed"]
+        else:
+            entry["allowed"] = tolerance * float(row.abs().max())
+            entry["ok"] = gap <= entry["allowed"]
+        report["steps"].append(entry)
+        report["passed"] &= entry["ok"]
     if len(compiled) != len(eager):
         report["passed"] = False
+    truth_states = truth["truth"]["states"] if truth else {}
     for fqn, want in sorted(eager_states.items()):
         got = compiled_states.get(fqn)
         if got is None:
             continue
         diff = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
-        allowed = tolerance * max(1.0, want.abs().max().item() if want.numel() else 0.0)
-        ok = got.shape == want.shape and diff <= allowed
-        report["states"].append({"buffer": fqn, "max_abs_diff": diff, "allowed": allowed, "ok": ok})
-        report["passed"] &= ok
+        entry = {"buffer": fqn, "max_abs_diff": diff}
+        if fqn in truth_states:
+            exact = truth_states[fqn].float()
+            bf16 = truth["envelope"]["states"].get(fqn, 0.0)
+            from_truth = (got.float() - exact).abs().max().item() if exact.numel() else 0.0
+            entry.update(truth_diff=from_truth, bf16_truth_diff=bf16,
+                         allowed=max(tolerance * max(1.0, exact.abs().max().item() if exact.numel() else 0.0), MARGIN * bf16))
+            entry["ok"] = got.shape == exact.shape and from_truth <= entry["allowed"]
+        else:
+            entry["allowed"] = tolerance * max(1.0, want.abs().max().item() if want.numel() else 0.0)
+            entry["ok"] = got.shape == want.shape and diff <= entry["allowed"]
+        report["states"].append(entry)
+        report["passed"] &= entry["ok"]
     report["states_compared"] = f"{len(report['states'])} of {len(eager_states)}"
+    if truth and truth.get("eager"):
+        report["reference"] = _reference_within_bf16(truth, tolerance)
+        report["passed"] &= report["reference"]["ok"]
     return report
+
+
+def _reference_within_bf16(truth: dict, tolerance: float) -> dict:
+    """Whether the eager program itself lies where bf16 runs lie around the truth: if not, the
+    reference is wrong (a kernel handed what it cannot read, say), whatever the compiled code did."""
+    states, envelope = truth["truth"]["states"], truth["envelope"]["states"]
+    worst = None
+    for fqn, d in truth["eager"]["states"].items():
+        exact = states[fqn]
+        allowed = max(tolerance * max(1.0, exact.abs().max().item() if exact.numel() else 0.0), MARGIN * envelope.get(fqn, 0.0))
+        if d > allowed and (worst is None or d / allowed > worst["diff"] / worst["allowed"]):
+            worst = {"buffer": fqn, "diff": d, "bf16_truth_diff": envelope.get(fqn, 0.0), "allowed": allowed}
+    for i, (gap, bf16) in enumerate(zip(truth["eager"]["gaps"], truth["envelope"]["gaps"])):
+        allowed = max(tolerance * float(truth["truth"]["logits"][i].abs().max()), MARGIN * bf16)
+        if gap > allowed and worst is None:
+            worst = {"buffer": f"step {i}'s token (its fp32-truth logit below the best)", "diff": gap,
+                     "bf16_truth_diff": bf16, "allowed": allowed}
+    return {"ok": worst is None, **({"worst": worst} if worst else {})}

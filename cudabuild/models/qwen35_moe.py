@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from cudabuild.backend import custom_ops
 from cudabuild.errors import InvalidOption
 from cudabuild.models import qwen35_moe_quantize as quant
 
@@ -105,9 +106,7 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     meta device and given the bundle's tensors with `assign` (ExecuTorch's load_prequantized_model),
     its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
     the dequant prefill (on the GPU, as the stock exporter does)."""
-    import executorch.backends.cuda.triton.kernels  # noqa: F401  (registers the Triton ops the forward calls)
-
-    hand_the_delta_rule_contiguous_tensors()
+    custom_ops.register("cuda")  # the Triton ops the forward calls, with the fixes they need
     from executorch.examples.models.qwen3_5_moe.export import (
         _materialize_buffers, _replace_dense_with_w4dequant, load_prequantized_model,
     )
@@ -122,56 +121,6 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     if options["dense_prefill"] == "dequant":
         _replace_dense_with_w4dequant(model, group_size=int(options["qlinear_group_size"]), use_hqq=bool(options["hqq"]))
     return model
-
-
-def hand_the_delta_rule_contiguous_tensors() -> None:
-    """Make ExecuTorch's `triton::chunk_gated_delta_rule` op take its tensors contiguous, once per
-    process, wherever it runs: eager (verify's reference), under FakeTensors (torch.export), and in
-    the decomposition AOTInductor compiles (FunctionalTensorMode).
-
-    ExecuTorch's GatedDeltaNet (prefill) hands the op `v` as a channel slice of the transposed conv
-    output: a dense view with strides [T*C, 1, Dv*T, T], not [T*H*Dv, H*Dv, Dv, 1]. The FLA kernels
-    behind the op index every input as contiguous [B, T, H, *], so they read v scrambled (and the
-    op's `empty_like(v)` outputs are written as contiguous but read with v's strides). Measured on
-    the H200 (torch 2.11, executorch 1.4.1, tiny): one delta-rule layer's output off by 4.3 against
-    its own 2.7, and 0.016 (bf16 rounding) once v is contiguous; the plain-PyTorch form and a
-    token-by-token recurrence agree with the latter. Nothing in the op depends on the torch version,
-    so the pairing is not why.
-
-    The op is a `torch.library.triton_op`, whose one Python function is registered three times
-    (kernel, fake, functional decomposition); each registration is wrapped in place through the
-    op's own `register_*` methods, so the op keeps its name and schema and the exported program
-    calls it as the stock one does. A tensor that is contiguous already is passed as it is.
-    (Replacing the `torch.ops.triton` attribute instead works eagerly but breaks strict export:
-    TorchDynamo treats every attribute of an op namespace as an op.)
-    """
-    import importlib
-
-    try:  # registered only where fla-core imports (the GPU machine)
-        # The module itself: the package's __init__ binds its name to the op.
-        kernels = importlib.import_module("executorch.backends.cuda.triton.kernels.chunk_gated_delta_rule")
-    except ImportError:
-        return
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    op = kernels.chunk_gated_delta_rule
-    if getattr(op, "hands_contiguous_tensors", False):
-        return
-    kernel, fake = op._backend_fns[None], op._abstract_fn
-    decomposition = op._torch_dispatch_fns[FunctionalTensorMode]
-
-    def dense(values):
-        return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
-
-    def decompose(mode, overload, types, args, kwargs):
-        with mode:
-            args = dense(args)
-        return decomposition(mode, overload, types, args, kwargs)
-
-    op.register_kernel(None)(lambda *args, **kwargs: kernel(*dense(args), **kwargs))
-    op.register_fake(lambda *args, **kwargs: fake(*dense(args), **kwargs))
-    op.register_torch_dispatch(FunctionalTensorMode, decompose)
-    op.hands_contiguous_tensors = True
 
 
 def prepare_decode(model, options: Mapping[str, Any]) -> None:

@@ -179,3 +179,22 @@ def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_pat
     for w, g in ((want, got), (want_next, got_next)):
         assert (w - g).abs().max() <= 5e-2 * max(1.0, float(w.abs().max())), float((w - g).abs().max())
         assert _near_argmax(w, int(g.argmax()))
+
+
+def test_the_real_shapes_build_verifies_against_the_fp32_truth(tmp_path):
+    """`size=35b-a3b layers=4` (its fourth layer is the first full-attention one) builds and
+    verifies, judged by the fp32 truth of the same weights (cudabuild.models.qwen35_moe_fp32). This
+    failed verify until 2026-12-06: the reference stage's eager run read the delta rule's `v`
+    scrambled, and a 256-expert router flips on bf16's last bit, so bf16 eager was no measure."""
+    from conftest import new_project
+
+    project = new_project(tmp_path)
+    shared = {"CUDABUILD_KERNEL_CACHE": os.environ["CUDABUILD_KERNEL_CACHE"]} if os.environ.get("CUDABUILD_KERNEL_CACHE") else {}
+    done = project.export("model=qwen_moe", "target=cuda", "size=35b-a3b", "layers=4", env=project.env(**shared))
+    failed = {p.name: p.read_text()[:2000] for p in (project.root / "build/qwen_moe/cuda").glob("verify-*.failed.json")}
+    assert done.returncode == 0, (done.stderr[-2000:], failed)
+    for method in ("decode", "prefill"):
+        verdict = json.loads((project.root / f"build/qwen_moe/cuda/.stamps/verify.{method}.json").read_text())["value"]
+        assert verdict["passed"] and verdict["judged_by"] == "truth", verdict
+        reference = json.loads((project.root / f"build/qwen_moe/cuda/.stamps/reference.{method}.json").read_text())
+        assert reference["status"] == "ran"

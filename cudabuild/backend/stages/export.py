@@ -44,7 +44,7 @@ def build_model(ctx):
         recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
         try:
             if recipe.quantize is not None:
-                model = recipe.quantize.load(dict(config.options), _quantized_folder(ctx))
+                model = recipe.quantize.load(dict(config.options), quantized_folder(ctx))
             else:
                 model = recipe.build(dict(config.options))
             _MODELS[key] = (recipe, model, StoredWeights())
@@ -55,7 +55,7 @@ def build_model(ctx):
     return _MODELS[key]
 
 
-def _quantized_folder(ctx):
+def quantized_folder(ctx):
     """The quantize stage's outputs as one folder, by their names: links to the store's own
     (verified, read-only) files, which the loader maps or reads."""
     folder = ctx.workdir / "quantized"

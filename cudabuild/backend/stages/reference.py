@@ -13,7 +13,10 @@ returns its outputs, `outputs`; for one that samples its token inside the progra
 (cudabuild.backend.sampled_logits), `steps` ([(token, logits)] per verify step) and `states`
 (its buffers after the last step). Beside them are `computed_in`, the precision the method
 computes in, and `buffers`, the buffers a sampling method's state is compared on. verify then
-needs neither the program nor its weights.
+needs neither the program nor its weights. Where the recipe's quantizer declares an fp32 truth
+(`Quantize.truth`: ExecuTorch's Qwen3.5-MoE), `truth` holds it: the same steps in fp32 on the same
+weights, and how far bf16 runs stray from them (cudabuild.models.qwen35_moe_fp32), computed after
+the eager program is let go, so the two models are never on the device together.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def compute(ctx, device: str) -> dict:
     sampler = sampler_of(ctx)
     # The eager program's Triton ops compile their kernels on first use: from the shared cache.
     with phase("eager"), scoped_environ(kernel_cache.environment(ctx.store.root)):
+        steps = None
         if sampler:
             steps = torch.load(ctx.blob_path("export", method, "verify_steps.pt"), weights_only=True)
             eager, states = sampled_logits.eager_steps(ep, steps, device, sampler["temperature_input"])
@@ -65,7 +69,27 @@ def compute(ctx, device: str) -> dict:
     held = sum(t.nbytes for t in ep.state_dict.values())
     del ep
     collect_if_worth(held)
+    if sampler and "weights" in ctx.inputs:
+        truth = _truth(ctx, device, steps, result)
+        if truth is not None:
+            result["truth"] = truth
     return result
+
+
+def _truth(ctx, device: str, steps: list, result: dict) -> dict | None:
+    """The recipe's fp32 truth of these steps (cudabuild.recipe.Quantize.truth), or None."""
+    from cudabuild import registry
+    from cudabuild.backend.stages.export import quantized_folder
+
+    config = ctx.config
+    recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
+    if recipe.quantize is None or recipe.quantize.truth is None:
+        return None
+    method = next(m for m in recipe.methods if m.name == ctx.stage.method)
+    eager = {"tokens": [int(token.reshape(-1)[0]) for token, _ in result["steps"]], "states": result["states"]}
+    with phase("truth"), scoped_environ(kernel_cache.environment(ctx.store.root)):
+        return recipe.quantize.truth(dict(config.options), quantized_folder(ctx), method.prepare or (lambda m, o: None),
+                                     steps, device, eager)
 
 
 def eager_outputs(ep, inputs: tuple, device: str) -> list:

@@ -160,24 +160,40 @@ def _verify_sampling_method(ctx, expected: dict, device: str) -> StageResult:
         runner = load_compiled(str(so), str(blob), device)
         compiled, compiled_states = sampled_logits.compiled_steps(runner, steps, device, expected["buffers"])
         del runner
-    report = sampled_logits.judge(expected["steps"], compiled, expected["states"], compiled_states, tolerance)
+    report = sampled_logits.judge(expected["steps"], compiled, expected["states"], compiled_states, tolerance,
+                                  truth=expected.get("truth"))
     report["computed_in"] = expected["computed_in"]
     path = ctx.workdir / "verify.json"
     path.write_text(json.dumps(report, indent=1))
     if not report["passed"]:
         _keep_failed_report(ctx, method, report)
+        wrong = report.get("reference", {}).get("worst")
+        if wrong is not None:
+            raise VerifyFailed(f"method {method}: the eager reference itself is wrong: {wrong['buffer']} lies "
+                               f"{wrong['diff']:.3g} from the fp32 truth, where bf16 runs lie at most "
+                               f"{wrong['bf16_truth_diff']:.3g} (allowed {wrong['allowed']:.3g}); the compiled code is not judged")
         bad = next((s for s in report["steps"] if not s["ok"]), None)
+        if bad is not None and "truth_gap" in bad:
+            raise VerifyFailed(f"method {method}: at step {bad['step']} the compiled code chose token "
+                               f"{bad['compiled_token']}, whose fp32-truth logit is {bad['truth_gap']:.3g} below the largest "
+                               f"(token {bad['truth_argmax']}; bf16 runs' furthest {bad['bf16_truth_gap']:.3g}, "
+                               f"allowed {bad['allowed']:.3g})")
         if bad is not None:
             raise VerifyFailed(f"method {method}: at step {bad['step']} the compiled code chose token "
                                f"{bad['compiled_token']}, whose eager logit is {bad['logit_gap']:.3g} below the largest "
                                f"(token {bad['eager_argmax']}; allowed {bad['allowed']:.3g})")
         state = next((s for s in report["states"] if not s["ok"]), None)
-        what = (f"its state {state['buffer']} differs from eager by {state['max_abs_diff']:.3g} (allowed {state['allowed']:.3g})"
-                if state else "its steps did not all run")
+        if state is not None and "truth_diff" in state:
+            what = (f"its state {state['buffer']} lies {state['truth_diff']:.3g} from the fp32 truth (bf16 runs' furthest "
+                    f"{state['bf16_truth_diff']:.3g}, allowed {state['allowed']:.3g})")
+        elif state is not None:
+            what = f"its state {state['buffer']} differs from eager by {state['max_abs_diff']:.3g} (allowed {state['allowed']:.3g})"
+        else:
+            what = "its steps did not all run"
         raise VerifyFailed(f"method {method}: {what}")
     worst = max([s["logit_gap"] for s in report["steps"]] + [s["max_abs_diff"] for s in report["states"]], default=0.0)
     summary = {"max_abs_diff": worst, "passed": True, "steps": len(report["steps"]),
-               "states_compared": report["states_compared"], **device_peak.peak(device)}
+               "states_compared": report["states_compared"], "judged_by": report["judged_by"], **device_peak.peak(device)}
     return StageResult({"verify.json": path}, value=summary)
 
 

@@ -1,0 +1,238 @@
+"""An fp32 truth of ExecuTorch's quantized Qwen3.5-MoE, and how far bf16 alone strays from it: what
+verify judges the compiled methods by at the real shapes.
+
+Why: verify compared the compiled program with the exported program run eagerly in bf16. At
+`size=35b-a3b` the MoE's routing (top 8 of 256 experts on bf16 scores) is chaotic: any difference
+at bf16's last bit moves some token to another expert, and that token's next state by a whole
+expert's share. Measured on the H200 (docs/qwen_moe_cuda.md, 2026-12-06): bf16 eager itself
+reroutes 1-6 of 14 tokens a call against an fp32 run of the same weights, and its layer-3 KV cache
+lies 0.39 (relative) from it; the compiled program lies 0.25 from it. Two right programs are then
+far apart, and a state-by-state comparison at bf16's tolerance fails either way. What can be
+asked instead: that the compiled program is about as close to the truth as bf16 computations are.
+
+The truth: the quantize stage's weights (the int4 values every run multiplies by), in ExecuTorch's
+own model, with every Triton op answered by plain PyTorch in fp32 (`PlainOps`: the fused MoE expert
+by expert, the gated delta rule token by token, attention through the math SDPA) and every other
+float tensor fp32; a quantized linear multiplies by exactly what its kernel dequantizes (the
+linear of an identity: torchao's tile-packed int4 has no dequantize), made when called, so the
+model stays as small on the device as the int4 one. The spread of bf16 (`envelope`): the same
+plain ops in bf16, as they are and with each router's scores moved by noise below one bf16 ulp
+(new near-tie flips each time): the largest distance from the truth of any of them, per state and
+per step. The eager exported program's own distance is kept beside it, so a wrong reference shows
+as one far outside that spread.
+
+Owns those runs. Must not touch: the build (verify and the reference stage call `reference`), the
+quantizer (cudabuild/models/qwen35_moe_quantize.py), export.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+# The envelope's runs with noise on the router scores, and the noise (relative; one bf16 ulp is 2^-8).
+NOISY_RUNS = 3
+ROUTER_NOISE = 2.0 ** -9
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """ExecuTorch's packed int4 ([.., N, K/2] int8, low nibble first, a scale per group of K) as fp32."""
+    p = packed.to(torch.int16) & 0xFF
+    values = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).flatten(-2).float() - 8
+    return values * scale.float().repeat_interleave(group, dim=-1)
+
+
+def plain_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, top_k, num_experts, group):
+    """fused_moe and fused_moe_batched_gemm: per token, the weighted sum over its experts of
+    down(silu(gate) * up), computed in fp32 and returned in x's dtype."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    inter = w1.shape[1] // 2
+    for e in ids.unique().tolist():
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        up_gate = x[rows].float() @ dequantize_int4(w1[e], w1_scale[e], group).t()  # [n, 2I]
+        act = F.silu(up_gate[:, :inter]) * up_gate[:, inter:]
+        down = act @ dequantize_int4(w2[e], w2_scale[e], group).t()  # [n, D]
+        out.index_add_(0, rows, down * weights[rows, slots, None].float())
+    return out.to(x.dtype)
+
+
+def _delta_step(q, k, v, g, beta, state):
+    """One token of the gated delta rule: q, k [B, H, K]; v [B, H, V]; g (log decay), beta [B, H]."""
+    state = state * g.exp()[..., None, None]
+    recalled = (state * k[..., None]).sum(-2)
+    state = state + k[..., None] * ((v - recalled) * beta[..., None])[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def plain_chunk_delta_rule(q, k, v, g, beta, initial_state):
+    """chunk_gated_delta_rule: the recurrence token by token in fp32 (q, k come L2-normalised)."""
+    scale = q.shape[-1] ** -0.5
+    state, outs = initial_state.float(), []
+    for t in range(q.shape[1]):
+        o, state = _delta_step(q[:, t].float() * scale, k[:, t].float(), v[:, t].float(), g[:, t].float(),
+                               beta[:, t].float(), state)
+        outs.append(o)
+    return torch.stack(outs, dim=1).to(v.dtype), state.to(initial_state.dtype)
+
+
+def plain_deltanet_decode(qkv, alpha, beta_raw, A_log, dt_bias, state):
+    """fused_deltanet_decode: split, L2 norm, head repeat (value head h reads key head h // rep),
+    gating and one recurrence step, in fp32."""
+    B, H, K, V = state.shape
+    key_dim = (qkv.shape[1] - H * V) // 2
+    rep = H // (key_dim // K)
+    x = qkv.float()
+    q = F.normalize(x[:, :key_dim].reshape(B, -1, K), dim=-1, eps=1e-6).repeat_interleave(rep, dim=1)
+    k = F.normalize(x[:, key_dim:2 * key_dim].reshape(B, -1, K), dim=-1, eps=1e-6).repeat_interleave(rep, dim=1)
+    v = x[:, 2 * key_dim:].reshape(B, H, V)
+    g = -A_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
+    o, new = _delta_step(q * K ** -0.5, k, v, g, beta_raw.float().sigmoid(), state.float())
+    return o.to(state.dtype), new.to(state.dtype)
+
+
+def plain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=0.0, enable_gqa=False, **_):
+    """sdpa and sdpa_decode_splitk: the math SDPA (grouped heads whenever the head counts differ)."""
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale or None,
+                                              enable_gqa=query.shape[1] != key.shape[1])
+
+
+class PlainOps:
+    """ExecuTorch's Triton ops, as the model's forward calls them, answered by the plain functions
+    above while inside (the model looks `torch.ops.triton.<op>` and the sdpa module's functions up
+    at each call). For eager runs of the module only: an exported program calls the ops' overloads."""
+
+    OPS = {"fused_moe": plain_moe, "fused_moe_batched_gemm": plain_moe,
+           "chunk_gated_delta_rule": plain_chunk_delta_rule, "fused_deltanet_decode": plain_deltanet_decode}
+
+    def __enter__(self) -> "PlainOps":
+        # The sdpa module itself: the kernels package binds the name `sdpa` to the op.
+        self.sdpa_module = importlib.import_module("executorch.backends.cuda.triton.kernels.sdpa")
+        self.namespace = torch.ops.triton
+        self.saved = {name: self.namespace.__dict__.get(name) for name in self.OPS}
+        self.saved_sdpa = (self.sdpa_module.sdpa, self.sdpa_module.sdpa_decode_splitk)
+        for name, fn in self.OPS.items():
+            setattr(self.namespace, name, fn)
+        self.sdpa_module.sdpa = self.sdpa_module.sdpa_decode_splitk = plain_sdpa
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, op in self.saved.items():
+            if op is None:
+                delattr(self.namespace, name)
+            else:
+                setattr(self.namespace, name, op)
+        self.sdpa_module.sdpa, self.sdpa_module.sdpa_decode_splitk = self.saved_sdpa
+
+
+def _dequantized_forward(self, x):
+    """A quantized linear in the input's precision, multiplying by exactly the weight its kernel
+    dequantizes (made for this call only, so the model keeps its int4 size)."""
+    eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=x.device)
+    with torch.no_grad():
+        weight = F.linear(eye, self.weight).t().to(x.dtype)  # [out, in]
+    return F.linear(x, weight)
+
+
+def to_fp32(model) -> None:
+    """In place: quantized linears multiply in the input's precision; every other float parameter
+    and buffer (norms, embedding, conv, state caches) becomes fp32. The packed experts stay int4."""
+    for module in model.modules():
+        quantized = isinstance(module, torch.nn.Linear) and type(module.weight) not in (torch.Tensor, torch.nn.Parameter)
+        if quantized:
+            module.forward = types.MethodType(_dequantized_forward, module)
+        for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if quantized and name == "weight" or t is None or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                continue
+            if t.dtype.is_floating_point and t.dtype != torch.float32 and not name.endswith("_scale"):
+                t.data = t.data.float()
+
+
+STATES = ("conv_state", "recurrent_state", "k_cache", "v_cache")
+
+
+def _reset(model) -> None:
+    for name, buf in model.named_buffers():
+        if name.endswith(STATES):
+            buf.zero_()
+
+
+def run_steps(model, steps: list, device: str, router_noise_seed: int | None = None) -> dict:
+    """verify's steps from position 0 on the eager module, state kept between them:
+    {"logits": [the last token's logits per step], "states": {buffer: value after the last step}}."""
+    _reset(model)
+    hooks = []
+    if router_noise_seed is not None:
+        generator = torch.Generator(device=device).manual_seed(router_noise_seed)
+
+        def moved(module, inputs, out):
+            noise = torch.randn(out.shape, device=out.device, generator=generator)
+            return (out.float() * (1 + ROUTER_NOISE * noise)).to(out.dtype)
+
+        hooks = [layer.mlp.gate.register_forward_hook(moved) for layer in model.layers]
+    logits = []
+    try:
+        with torch.no_grad():
+            for step in steps:
+                tokens, positions = step[0], step[1]
+                out = model(tokens.to(device), positions.to(device))  # no temperature: the logits [1, T, V]
+                logits.append(out[0, -1].float().cpu())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    states = {n: b.detach().float().cpu().clone() for n, b in model.named_buffers() if n.endswith(STATES)}
+    return {"logits": logits, "states": states}
+
+
+def distance(run: dict, truth: dict) -> dict:
+    """{"states": {buffer: max |run - truth|}, "gaps": [per step: how far below the truth's best
+    logit the run's own choice lies]} (a run given by logits chooses their argmax; by tokens, those)."""
+    states = {n: float((run["states"][n].float() - want).abs().max()) for n, want in truth["states"].items()
+              if n in run["states"] and run["states"][n].shape == want.shape}
+    chosen = run.get("tokens") or [int(logits.argmax()) for logits in run["logits"]]
+    gaps = [float(t.max() - t[c]) for t, c in zip(truth["logits"], chosen)]
+    return {"states": states, "gaps": gaps}
+
+
+def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: list, device: str,
+              eager: dict | None = None) -> dict:
+    """The truth of one method's verify steps and bf16's envelope around it.
+
+    `model_loader()` gives a fresh eager model (bf16, ExecuTorch's) on `device`; `method_prepare`
+    switches it to the method's path; `eager` is the eager exported program's own run (tokens and
+    states). Returns {"truth": {"logits", "states"}, "envelope": {"states": {buffer: the largest
+    distance of the plain bf16 runs}, "gaps": [per step, the largest]}, "runs": their count,
+    "eager": the eager program's own distance (`distance`), so verify can tell a wrong reference}."""
+    model = model_loader()
+    method_prepare(model, options)
+    with PlainOps():
+        runs = [run_steps(model, steps, device)]
+        runs += [run_steps(model, steps, device, router_noise_seed=seed) for seed in range(NOISY_RUNS)]
+        to_fp32(model)
+        truth = run_steps(model, steps, device)
+    del model
+    distances = [distance(run, truth) for run in runs]
+    envelope = {"states": {n: max(d["states"].get(n, 0.0) for d in distances) for n in truth["states"]},
+                "gaps": [max(d["gaps"][i] for d in distances) for i in range(len(steps))]}
+    return {"truth": truth, "envelope": envelope, "runs": len(runs),
+            **({"eager": distance(eager, truth)} if eager is not None else {})}
+
+
+def truth(options: Mapping[str, Any], folder, prepare, steps: list, device: str, eager: dict | None = None) -> dict:
+    """The recipe's `Quantize.truth` (cudabuild.recipe): `reference` on the model the quantize
+    stage's bundle in `folder` holds, loaded as the export stage loads it, on `device`."""
+    from cudabuild.models import qwen35_moe
+
+    def load():
+        model = qwen35_moe.load(options, folder)
+        if device != "cpu":
+            from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
+
+            _move_to_cuda(model, model.config)
+        return model.eval()
+
+    return reference(load, options, prepare, steps, device, eager)

@@ -1,0 +1,71 @@
+"""cudabuild/detached.py: `cudabuild start/status/wait`, a build that outlives its command, and a build
+killed mid-compile (SIGKILL of its whole process group) that resumes with only its unfinished stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import assert_ok
+
+pytestmark = pytest.mark.slow
+SETTINGS = ("model=tiny_lm", "target=cpu")
+O0 = "compile_wrapper_opt_level=O0"  # a spec change: compile, package and verify run again
+
+
+def _alive_in_group(pgid: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pgid=,pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split(None, 1)[0] == str(pgid)]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_detached_build_finishes_after_its_command_returned_and_wait_returns_its_status(tiny_copy):
+    started = tiny_copy.cudabuild("start", *SETTINGS, O0)
+    assert "started: pid" in started.stdout
+    record = json.loads((tiny_copy.build_dir / "detached.json").read_text())
+    again = tiny_copy.cudabuild("start", *SETTINGS, O0)  # one build per build directory at a time
+    assert "already running" in again.stdout and f"pid {record['pid']}" in again.stdout
+    waited = tiny_copy.cudabuild("wait", *SETTINGS, O0, "--timeout", "900")
+    assert waited.stdout.startswith("done after"), waited.stdout
+    assert tiny_copy.statuses()["compile.decode"] == "ran"
+    assert json.loads((tiny_copy.build_dir / "detached.json").read_text())["rc"] == 0
+    assert "verify" in (tiny_copy.build_dir / "detached.log").read_text()
+
+
+def test_a_build_killed_mid_compile_resumes_with_only_its_unfinished_stages(tiny_copy, tmp_path):
+    reference = tiny_copy.copy(tmp_path / "reference")  # the same change, built without interruption
+    tiny_copy.cudabuild("start", *SETTINGS, O0)
+    record = json.loads((tiny_copy.build_dir / "detached.json").read_text())
+    logs = tiny_copy.build_dir / "logs"
+    _wait_for(lambda: any(p.stat().st_size for p in logs.glob("compile.*.log")), 600, "a compile to start")
+    os.killpg(record["pid"], signal.SIGKILL)
+    _wait_for(lambda: not _alive_in_group(record["pid"]), 30, "the build's processes to end")
+    assert tiny_copy.cudabuild("status", *SETTINGS, O0).stdout.startswith("died")
+    finished = {p.stem: p.stat().st_mtime_ns for p in (tiny_copy.build_dir / ".stamps").glob("*.json")}
+
+    tiny_copy.cudabuild("start", *SETTINGS, O0)
+    assert tiny_copy.cudabuild("wait", *SETTINGS, O0, "--timeout", "900", check=False).returncode == 0
+    statuses = tiny_copy.statuses()
+    assert statuses["compile.decode"] == "ran" and statuses["package"] == "ran"
+    # What the killed build had finished was not done again: those stamps are untouched.
+    now = {p.stem: p.stat().st_mtime_ns for p in (tiny_copy.build_dir / ".stamps").glob("*.json")}
+    kept = [stage for stage, mtime in finished.items() if now.get(stage) == mtime]
+    assert {"probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill"} <= set(kept), kept
+    assert all(statuses[stage] == "cached" for stage in kept if stage in statuses)
+
+    assert_ok(reference.export(*SETTINGS, O0))
+    assert tiny_copy.manifest()["outputs"] == reference.manifest()["outputs"]
