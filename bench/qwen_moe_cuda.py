@@ -120,6 +120,11 @@ class Bench:
         return entry
 
 
+def du(path: Path) -> int:
+    """The bytes of the files under `path` (links not followed)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.exists() else 0
+
+
 def built_options(project: Path) -> dict:
     """The recipe options the project's last build resolved (its manifest's)."""
     return json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]

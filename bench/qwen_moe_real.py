@@ -24,11 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen_moe_cuda import MODEL, TARGET, Bench  # noqa: E402
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.exists() else 0
+from qwen_moe_cuda import MODEL, TARGET, Bench, du  # noqa: E402
 
 
 def main() -> None:

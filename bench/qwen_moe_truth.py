@@ -20,7 +20,8 @@ often each run's routing (top-k experts per token) differs from the truth's. The
 eager uses and the Triton topk the compiled code uses (the backend replaces one by the other) are
 also compared on the same router scores.
 
-Results go to OUT/qwen_moe_truth.json, the builds' logs to OUT/logs.tar.gz.
+Results go to OUT/qwen_moe_truth.json, the builds' logs to OUT/logs.tar.gz. The plain ops and the
+fp32 conversion are cudabuild.models.qwen35_moe_fp32's, which verify now uses too.
 """
 
 from __future__ import annotations
@@ -38,124 +39,7 @@ from qwen_moe_cuda import MODEL, TARGET, Bench, eager_model  # noqa: E402
 STATE_SUFFIXES = ("conv_state", "recurrent_state", "k_cache", "v_cache")
 
 
-# -- plain-PyTorch answers to ExecuTorch's Triton ops -------------------------------------------------
-
-def dequantize_int4(packed, scale, group: int):
-    """ExecuTorch's packed int4 ([.., N, K/2] int8, low nibble first, bf16 scale per group of K) as fp32."""
-    import torch
-
-    p = packed.to(torch.int16) & 0xFF
-    values = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).flatten(-2).float() - 8
-    return values * scale.float().repeat_interleave(group, dim=-1)
-
-
-def plain_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, top_k, num_experts, group):
-    """fused_moe / fused_moe_batched_gemm: per token, the weighted sum over its experts of
-    down(silu(gate) * up), in fp32."""
-    import torch
-    import torch.nn.functional as F
-
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    inter = w1.shape[1] // 2
-    for e in ids.unique().tolist():
-        rows, slots = (ids == e).nonzero(as_tuple=True)
-        up_gate = x[rows].float() @ dequantize_int4(w1[e], w1_scale[e], group).t()  # [n, 2I]
-        act = F.silu(up_gate[:, :inter]) * up_gate[:, inter:]
-        out.index_add_(0, rows, (act @ dequantize_int4(w2[e], w2_scale[e], group).t()) * weights[rows, slots, None].float())
-    return out.to(x.dtype)
-
-
-def _delta_step(q, k, v, g, beta, state):
-    state = state * g.exp()[..., None, None]
-    recalled = (state * k[..., None]).sum(-2)
-    state = state + k[..., None] * ((v - recalled) * beta[..., None])[..., None, :]
-    return (state * q[..., None]).sum(-2), state
-
-
-def plain_chunk_delta_rule(q, k, v, g, beta, initial_state):
-    """chunk_gated_delta_rule: the recurrence token by token, fp32 (q, k come L2-normalised)."""
-    import torch
-
-    scale = q.shape[-1] ** -0.5
-    state = initial_state.float()
-    outs = []
-    for t in range(q.shape[1]):
-        o, state = _delta_step(q[:, t].float() * scale, k[:, t].float(), v[:, t].float(), g[:, t].float(),
-                               beta[:, t].float(), state)
-        outs.append(o)
-    return torch.stack(outs, dim=1).to(v.dtype), state.to(initial_state.dtype)
-
-
-def plain_deltanet_decode(qkv, alpha, beta_raw, A_log, dt_bias, state):
-    """fused_deltanet_decode: split, L2 norm, head repeat, gating and one recurrence step, fp32."""
-    import torch.nn.functional as F
-
-    B, H, K, V = state.shape
-    key_dim = (qkv.shape[1] - H * V) // 2
-    rep = H // (key_dim // K)
-    x = qkv.float()
-    q = F.normalize(x[:, :key_dim].reshape(B, -1, K), dim=-1, eps=1e-6).repeat_interleave(rep, dim=1)
-    k = F.normalize(x[:, key_dim:2 * key_dim].reshape(B, -1, K), dim=-1, eps=1e-6).repeat_interleave(rep, dim=1)
-    v = x[:, 2 * key_dim:].reshape(B, H, V)
-    g = -A_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
-    o, new = _delta_step(q * K ** -0.5, k, v, g, beta_raw.float().sigmoid(), state.float())
-    return o.to(state.dtype), new.to(state.dtype)
-
-
-def plain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=0.0, enable_gqa=False, **_):
-    import torch
-    import torch.nn.functional as F
-
-    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale or None,
-                                              enable_gqa=query.shape[1] != key.shape[1])
-
-
-class PlainOps:
-    """ExecuTorch's Triton ops answered by the plain functions above, while inside."""
-
-    OPS = {"fused_moe": plain_moe, "fused_moe_batched_gemm": plain_moe,
-           "chunk_gated_delta_rule": plain_chunk_delta_rule, "fused_deltanet_decode": plain_deltanet_decode}
-
-    def __enter__(self):
-        import importlib
-
-        import torch
-
-        # The module itself: the package's __init__ binds its name to the op.
-        sdpa_module = importlib.import_module("executorch.backends.cuda.triton.kernels.sdpa")
-
-        self.namespace, self.sdpa_module = torch.ops.triton, sdpa_module
-        self.saved = {name: self.namespace.__dict__.get(name) for name in self.OPS}
-        self.saved_sdpa = (sdpa_module.sdpa, sdpa_module.sdpa_decode_splitk)
-        for name, fn in self.OPS.items():
-            setattr(self.namespace, name, fn)
-        sdpa_module.sdpa = sdpa_module.sdpa_decode_splitk = plain_sdpa
-        return self
-
-    def __exit__(self, *exc):
-        for name, op in self.saved.items():
-            if op is None:
-                delattr(self.namespace, name)
-            else:
-                setattr(self.namespace, name, op)
-        self.sdpa_module.sdpa, self.sdpa_module.sdpa_decode_splitk = self.saved_sdpa
-
-
-def to_fp32_truth(model) -> None:
-    """In place: every quantized linear's weight as the values its kernel multiplies by, then every
-    float tensor fp32. torchao's int4 tile-packed tensor has no dequantize; the linear of an identity
-    gives W^T exactly as tinygemm dequantizes it (to bf16, the dtype it multiplies in)."""
-    import torch
-    import torch.nn.functional as F
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and type(module.weight) not in (torch.Tensor, torch.nn.Parameter):
-            eye = torch.eye(module.in_features, dtype=torch.bfloat16, device=module.weight.device)
-            with torch.no_grad():
-                dense = F.linear(eye, module.weight).t().float().contiguous()
-            module.weight = torch.nn.Parameter(dense, requires_grad=False)
-    model.float()
+from cudabuild.models.qwen35_moe_fp32 import PlainOps, to_fp32  # noqa: E402  (the truth verify uses)
 
 
 # -- routing ------------------------------------------------------------------------------------
@@ -274,7 +158,7 @@ def analyse(project: Path, cache: Path, options: dict, stamps: dict, result: dic
             runs[method]["eager_plain_bf16"] = eager_run(model, steps)
         print(f"{method}: bf16 runs {time.monotonic() - t0:.1f}s", flush=True)
     with PlainOps():
-        to_fp32_truth(model)
+        to_fp32(model)
         for method, (prepare, steps) in methods.items():
             prepare(model, options)
             runs[method]["truth_fp32"] = eager_run(model, steps)
