@@ -207,3 +207,23 @@ def test_stages_share_the_device_once_their_measured_peaks_fit_in_its_free_memor
     # The runner's device lock and a compile's timing lock are two files of one cache's locks.
     locks = workers.device_lock(Path("/c/locks"), "cuda")
     assert locks.name == "device-cuda" and workers.timing_lock(locks.parent, "cuda").name == "device-cuda.timing"
+
+
+def test_a_device_memory_cap_makes_a_big_card_decide_as_a_small_one_would(tmp_path, monkeypatch):
+    """$CUDABUILD_DEVICE_MEMORY: free device memory counts as the cap less what is in use, so two
+    compiles of ~12 GiB that share an 80 GB card run one at a time as on a 24 GB one (a stand-in
+    nvidia-smi reports 70 GiB free and 10 GiB used)."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho '71680, 10240'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    environ = {}
+    assert workers.free_device_memory("cuda", environ) == 70 * 2**30
+    capped = {"CUDABUILD_DEVICE_MEMORY": "24GiB"}
+    assert workers.free_device_memory("cuda", capped) == 14 * 2**30
+    peak = 12 * 2**30
+    assert not workers.device_admission(2, peak, workers.free_device_memory("cuda", environ)).alone
+    assert workers.device_admission(2, peak, workers.free_device_memory("cuda", capped)).alone
+    with pytest.raises(InvalidOption, match="CUDABUILD_DEVICE_MEMORY '24 gigs' is not a size"):
+        workers.device_memory_cap({"CUDABUILD_DEVICE_MEMORY": "24 gigs"})

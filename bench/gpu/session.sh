@@ -7,7 +7,8 @@
 #   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
 #   qwenwarm  the same with warm processes on
 #   tests     the GPU tests of the cuda target
-#   real      bench/qwen_moe_real.py: the whole build at size=35b-a3b layers=$LAYERS (default 8), low_memory_mode ON;
+#   real      bench/qwen_moe_real.py: the whole build at size=35b-a3b layers=$LAYERS (default 8), low_memory_mode ON,
+#             as on a card of $CAP (default 24GiB: CUDABUILD_DEVICE_MEMORY);
 #             then a no-op and a restore; per-stage seconds and peaks, disk
 #   realtest  the GPU test at the real shapes (tests/gpu, -k real_shapes)
 #   quant40   bench/quantize_full.py: the quantize stage alone at size=35b-a3b, all 40 layers, min/max then HQQ
@@ -41,7 +42,7 @@ for case in "$@"; do
     qwenwarm) CUDABUILD_WARM=1 python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
     truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
-    real)     python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
+    real)     CUDABUILD_DEVICE_MEMORY=${CAP:-24GiB} python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
     realtest) timeout "$left" python3 -m pytest -q tests/gpu -k real_shapes -x ;;
     quant40)  python3 bench/quantize_full.py --layers "${LAYERS:-0}" --budget "$left" --out "$dir/r" ;;
     driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;

@@ -14,6 +14,18 @@ def start(device: str) -> None:
 
     torch.zeros(1, device="cuda")
     torch.cuda.reset_peak_memory_stats(0)
+    cap_allocator(torch)
+
+
+def cap_allocator(torch) -> None:
+    """Under $CUDABUILD_DEVICE_MEMORY, this process's allocator may not hold more than that: an
+    allocation past it fails as it would on a card of that size (cudabuild.engine.workers)."""
+    from cudabuild.engine.workers import device_memory_cap
+
+    cap = device_memory_cap()
+    if cap is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
 
 
 def peak(device: str) -> dict:

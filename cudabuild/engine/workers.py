@@ -162,9 +162,25 @@ def device_admission(workers: int, last_peak: Optional[int], free: Optional[int]
     return Admission(False, f"~{need / 2**30:.1f} GiB{basis} fits {workers} times in {free / 2**30:.1f} GiB free on the device")
 
 
+# Behave as on a card of this size (`24GiB`): admission counts the device's free memory as what is
+# left of it, and every stage that uses the device caps its allocator there
+# (cudabuild.backend.device_peak), so a build shown to pass on an 80 GB card with it passes on a
+# 24 GB one. Not keyed: it decides what runs side by side and what fails, not what a stage makes.
+DEVICE_MEMORY_ENV = "CUDABUILD_DEVICE_MEMORY"
+
+
+def device_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
+    """$CUDABUILD_DEVICE_MEMORY in bytes, or None when unset."""
+    from cudabuild.engine.cache_admin import parse_size
+
+    text = (os.environ if environ is None else environ).get(DEVICE_MEMORY_ENV, "").strip()
+    return parse_size(text, DEVICE_MEMORY_ENV) if text else None
+
+
 def free_device_memory(device: str, environ: Optional[dict] = None) -> Optional[int]:
     """The free bytes of the device a stage for `device` uses (the first of CUDA_VISIBLE_DEVICES),
-    from nvidia-smi, so deciding costs no CUDA context in this process; None where it cannot say."""
+    from nvidia-smi, so deciding costs no CUDA context in this process; None where it cannot say.
+    Under $CUDABUILD_DEVICE_MEMORY, no more than that size less what is in use."""
     import shutil
     import subprocess
 
@@ -174,11 +190,15 @@ def free_device_memory(device: str, environ: Optional[dict] = None) -> Optional[
     visible = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     select = ["-i", visible] if visible else ["-i", "0"]
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", *select],
-                              capture_output=True, text=True, timeout=20)
-        return int(done.stdout.split()[0]) << 20 if done.returncode == 0 else None
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.used", "--format=csv,noheader,nounits",
+                               *select], capture_output=True, text=True, timeout=20)
+        if done.returncode != 0:
+            return None
+        free, used = (int(v.strip()) << 20 for v in done.stdout.strip().splitlines()[0].split(","))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+    cap = device_memory_cap(environ)
+    return free if cap is None else max(0, min(free, cap - used))
 
 
 def device_lock(locks: Path, device: str) -> Path:
