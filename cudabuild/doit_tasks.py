@@ -245,7 +245,7 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
         with runner.recorder.span("manifest", "build"):
             manifest = runner.write_manifest()
         runner.recorder.merge(trace.process_start_us(), trace.now_us(), model=manifest["model"], target=manifest["target"])
-        print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir)
+        print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir, shown=runner.config.shown_options)
         if isinstance(runner.warm, warm_stage.WarmStages):  # (None where it could not serve this build)
             runner.warm.after_build([entry["status"] for entry in manifest["stages"]])
         return True

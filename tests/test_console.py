@@ -133,3 +133,20 @@ def test_a_terminal_gets_rich_live_lines_with_the_last_runs_time():
     progress.close()
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue())
     assert "compile decode" in shown and "last run 76s" in shown and "done in" in shown
+
+
+def test_the_summary_says_what_an_option_means_and_what_the_saved_time_counts(tmp_path):
+    """layers=0 is every layer, said where the options are; the cache's saving is stage time added
+    up (stages that ran side by side add up to more than their build's wall time), and says so."""
+    from cudabuild.engine.console.progress import print_summary
+
+    manifest = {"model": "qwen_moe", "target": "cpu", "options": {"size": "tiny", "layers": 0, "checkpoint": ""},
+                "outputs": {"model.pte": "x"},
+                "stages": [{"stage": "compile", "method": m, "status": "cached", "seconds": 0.0, "saved_seconds": 70.0}
+                           for m in ("decode", "prefill")]}
+    out = io.StringIO()
+    print_summary(manifest, 0.4, tmp_path, out=out, shown={"layers": "0 (every layer)"})
+    lines = out.getvalue().splitlines()
+    assert "  options: size=tiny, layers=0 (every layer)" in lines
+    assert ("  ran 0, restored 0, cached 2; 0.4s total; the cache saved 140.0s of stage time (the served stages' runs, "
+            "added up)") in lines

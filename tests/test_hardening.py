@@ -371,7 +371,7 @@ def _checkpoint(folder, damage):
 
 
 @pytest.mark.parametrize("damage, expected", [
-    pytest.param("missing", "checkpoint directory {dir} does not exist", id="missing"),
+    pytest.param("missing", "qwen_moe option checkpoint={dir}: no such folder", id="missing"),
     pytest.param("no-config", "{dir}/config.json: missing; a Hugging Face checkpoint directory needs its config.json",
                  id="no-config"),
     pytest.param("truncated", "{dir}/model.safetensors: truncated safetensors file", id="truncated"),
