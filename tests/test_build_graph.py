@@ -182,7 +182,7 @@ def _one_line_error(result) -> str:
         (["model=tiny_lm", "target=cpu", "decode.nonsense=ON"], "unknown setting 'decode.nonsense'"),
         (["model=tiny_lm", "target=cpu", "prefil.max_autotune=ON"], "spec override 'prefil.max_autotune' names unknown method 'prefil'"),
         (["model=tiny_lm", "target=cpu", "triton_kernel_mode=ON"], "triton_kernel_mode=ON needs target=cuda"),
-        (["model=tiny_lm", "target=cpu", "seed=abc"], "tiny_lm option seed=abc: expected an integer (default 0)"),
+        (["model=tiny_lm", "target=cpu", "seed=abc"], "tiny_lm option seed=abc: expected an integer >= 0 (default 0)"),
     ],
 )
 def test_bad_input_is_one_line_and_caches_nothing(project, args, expected):
