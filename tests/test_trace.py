@@ -48,21 +48,37 @@ def test_a_builds_trace_has_every_stage_and_accounts_for_its_wall_time(built_tin
     assert not (built_tiny.build_dir / ".trace").exists() or not list((built_tiny.build_dir / ".trace").glob("*.jsonl"))
 
 
-def test_a_compiles_time_is_named_by_inductors_phases(built_tiny):
-    """Inductor's own timers (lowering, scheduling, codegen, the C++ compile, ...) become spans of
-    the compile stage: together with the stage's own (load, store writes) they name at least 90%
-    of its time, so trace.json says where a compile's time went."""
-    from cudabuild.backend.inductor_phases import named_share
+def within(inner: dict, outer: dict) -> bool:
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1
+
+
+def test_a_compiles_spans_are_inductors_phases_nested_in_the_stages_own_and_its_waits_are_named(built_tiny):
+    """Inductor's own timers (lowering, scheduling, codegen, the C++ compile, ...) become spans of the
+    compile stage, inside its `run`, inside its `admitted`; and each thing the stage waited for is a
+    span of category `wait` before the run: the key's lock, its memory admission (two workers), and
+    a warm process to take the call where one took it. (How much of the stage's time the spans
+    name is bench/named_share.py's figure: it depends on what the machine did meanwhile.)"""
+    from cudabuild.engine.runner import WAITS
 
     events = spans(built_tiny)
     for method in ("decode", "prefill"):
         stage, = (e for e in events if e["name"] == f"compile.{method}" and e["args"].get("step") == "execute")
-        inside = {e["name"] for e in events if e.get("cat") == "inductor" and e["pid"] == stage["pid"]
-                  and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"]}
+        mine = [e for e in events if e["pid"] == stage["pid"] and e is not stage and within(e, stage)]
+        named = {e["name"]: e for e in mine}
+        inside = {e["name"] for e in mine if e.get("cat") == "inductor"}
         assert {"lowering", "scheduling", "kernel codegen", "C++ compile"} <= inside, inside
-        assert named_share(events, stage) >= 0.9, (method, named_share(events, stage))
-        aoti, = (e for e in events if e["name"] == "AOTInductor" and e["pid"] == stage["pid"]
-                 and stage["ts"] <= e["ts"] <= stage["ts"] + stage["dur"])
+        admitted, run = named["admitted"], named["run"]
+        assert within(run, admitted) and within(named["load"], run) and within(named["C++ compile"], run)
+        assert not within(named["store writes"], run)
+        waits = {e["name"]: e for e in mine if e.get("cat") == "wait"}
+        expected = {WAITS["key"], WAITS["memory"]} | ({WAITS["warm"]} if stage["args"].get("warm") else set())
+        assert set(waits) == expected, (method, sorted(waits), stage["args"])
+        assert within(waits[WAITS["memory"]], admitted) and waits[WAITS["memory"]]["ts"] <= run["ts"]
+        assert waits[WAITS["key"]]["ts"] + waits[WAITS["key"]]["dur"] <= admitted["ts"] + 1
+        if WAITS["warm"] in waits:  # the call's wait, then the configuration read again in the warm process
+            assert waits[WAITS["warm"]]["args"]["served"] is True and "configure" in named
+            assert waits[WAITS["warm"]]["ts"] + waits[WAITS["warm"]]["dur"] <= named["configure"]["ts"] + 1
+        aoti, = (e for e in mine if e["name"] == "AOTInductor")
         assert aoti["args"]["triton_kernels"] == aoti["args"]["triton_kernels_compiled"] == 0  # C++ kernels on the CPU
         assert 1 <= aoti["args"]["compile_threads"] <= os.cpu_count()
         assert aoti["args"]["compile_workers"] in ("pool", "in-process")

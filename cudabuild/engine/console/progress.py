@@ -23,6 +23,7 @@ from typing import Callable, Optional
 from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 
+from cudabuild.engine import interrupt
 from cudabuild.engine.console import terminal
 
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
@@ -80,6 +81,8 @@ class PlainProgress:
         for name in list(self._running):
             self.finish(name, ok=False)
 
+    stop = close  # a stage that did not finish prints nothing here
+
 
 class LiveProgress:
     """rich's live display: a spinner line per running stage, a line per finished one."""
@@ -115,6 +118,13 @@ class LiveProgress:
             self.finish(name, ok=False)
         self._progress.stop()
 
+    def stop(self) -> None:
+        """Take the live lines down and print nothing (an interrupted build says one line itself)."""
+        for task, _ in self._tasks.values():
+            self._progress.remove_task(task)
+        self._tasks.clear()
+        self._progress.stop()
+
 
 class CudabuildReporter(ConsoleReporter):
     desc = "cudabuild progress and summary"
@@ -124,6 +134,7 @@ class CudabuildReporter(ConsoleReporter):
         if outstream in (sys.stdout, sys.__stdout__):  # doit's default: the terminal, also during stage logs
             self.outstream = terminal.out()
         self.progress = LiveProgress(self.outstream) if live_terminal(self.outstream) else PlainProgress(self.outstream)
+        interrupt.before_exit(self.progress.stop)
 
     def write(self, text):
         self.outstream.write(text)
@@ -151,6 +162,8 @@ class CudabuildReporter(ConsoleReporter):
         self.write(f"cudabuild: error: [{_stage_id(task.name)}] {message.strip()}\n")
 
     def complete_run(self):
+        if interrupt.interrupted():  # doit's runner unwound from Ctrl-C: one line, and exit
+            interrupt.finish()
         self.progress.close()
         if self.runtime_errors:
             for msg in self.runtime_errors:
