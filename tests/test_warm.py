@@ -44,6 +44,17 @@ def prints(payload):
 def sleeps(payload):
     Path(payload).write_text(str(os.getpid()))
     time.sleep(120)
+
+def exits(payload):
+    import subprocess
+    return subprocess.run(["sh", "-c", f"exit {payload}"]).returncode
+
+def starts_a_program(payload):
+    import subprocess
+    program = subprocess.Popen(["sleep", "120"])
+    Path(payload + ".tmp").write_text(f"{os.getpid()} {program.pid}")
+    Path(payload + ".tmp").rename(payload)
+    program.wait()
 '''
 
 
@@ -122,6 +133,32 @@ def test_a_caller_that_is_killed_takes_its_call_with_it(calls, tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the call outlived its caller"
+
+
+def test_a_calls_programs_report_their_exit_status(calls):
+    """The forking worker ignores SIGCHLD (the kernel reaps its children); a call's process must not
+    inherit that, or every program it runs would read as having exited 0."""
+    processes, _ = calls
+    assert processes.call("warm_calls:exits", 3) == 3
+
+
+def test_an_interrupted_caller_ends_the_call_and_what_it_started_before_it_returns(calls, tmp_path):
+    """Ctrl-C in the caller while its call runs a program: by the time the caller has returned, the
+    call's process and the program are gone (a compiler must not outlive an interrupted build)."""
+    processes, folder = calls
+    pid_file = tmp_path / "pids"
+    script = (f"import sys; sys.path.insert(0, {str(folder)!r}); from cudabuild.engine import warm\n"
+              f"try: warm.WarmProcesses({str(tmp_path / 'cache')!r}, ()).call('warm_calls:starts_a_program', "
+              f"{str(pid_file)!r})\nexcept KeyboardInterrupt: sys.exit(130)")
+    caller = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    deadline = time.monotonic() + 600
+    while not pid_file.exists() and caller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child, program = map(int, pid_file.read_text().split())
+    assert _alive(child) and _alive(program)
+    caller.send_signal(signal.SIGINT)
+    assert caller.wait(timeout=600) == 130
+    assert not _alive(child) and not _alive(program)
 
 
 def test_an_idle_server_exits_and_a_stopped_one_goes(tmp_path, monkeypatch, calls):
