@@ -45,6 +45,19 @@ def unnamed_stretches(events: list[dict], stage: dict, top: int = 3) -> list[tup
     return sorted(gaps, key=lambda g: -g[1])[:top]
 
 
+def build_coverage(events: list[dict]) -> float:
+    """The share of the build's span that its top-level spans (startup, stages, manifest) cover; the
+    rest is doit's own scheduling between stages."""
+    build = next(e for e in events if e["name"] == "build")
+    top = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("stage", "build") and e is not build)
+    covered, reach = 0.0, float("-inf")
+    for start, end in top:
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / build["dur"] if build["dur"] else 1.0
+
+
 def report(trace: Path) -> list[dict]:
     from cudabuild.backend.inductor_phases import named_share
 
@@ -90,6 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     trace = args.trace or cold_build(args.model, args.target, args.jobs)
     print(f"{trace}")
+    print(f"build: {build_coverage(json.loads(trace.read_text())['traceEvents']):.1%} of its wall time in startup, stage "
+          "and manifest spans")
     for row in report(trace):
         waits = ", ".join(f"{name.removeprefix('wait: ')} {s:.1f}s" for name, s in row["waits"].items()) or "none"
         gaps = ", ".join(f"{long:.1f}s at +{at:.1f}s" for at, long in row["unnamed"]) or "none"
