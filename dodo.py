@@ -7,7 +7,9 @@
 """
 
 from cudabuild.doit_tasks import DOIT_CONFIG, task_export, task_nightly  # noqa: F401
-from cudabuild.doit_tasks import recover_doit_db
+from cudabuild.doit_tasks import handle_interrupts, recover_doit_db
 
 # doit opens .doit.db right after importing this file, before it creates any task: check it first.
 recover_doit_db()
+# Ctrl-C: one line, the build's processes ended, exit 130 (not doit's traceback).
+handle_interrupts()

@@ -70,7 +70,7 @@ def main(model_name: str, target: str, out: str) -> None:
 
     start = time.monotonic()
     recipe = load_recipe(ROOT, model_name)
-    model = recipe.build(dict(recipe.options))
+    model = recipe.build(recipe.defaults("cpu"))
     methods = [m.name for m in recipe.methods]
     specs = resolve_method_specs(target, methods, recipe.specs, {m.name: m.specs for m in recipe.methods}, {})
     programs = {}

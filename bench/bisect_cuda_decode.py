@@ -113,7 +113,7 @@ def build(model_name: str, method_name: str):
     from torch._inductor.decomposition import conv1d_to_conv2d
 
     recipe = load_recipe(ROOT, model_name)
-    model = recipe.build(dict(recipe.options))
+    model = recipe.build(recipe.defaults("cpu"))
     method = next(m for m in recipe.methods if m.name == method_name)
     specs = resolve_method_specs(DEVICE, [m.name for m in recipe.methods], recipe.specs, {m.name: m.specs for m in recipe.methods}, {})[method_name]
     inputs = tuple(method.inputs(model))

@@ -135,8 +135,11 @@ def main() -> None:
     (out / "moe_routing.json").write_text(json.dumps(result, indent=1, default=str))
 
     from cudabuild.models import qwen35_moe
+    from cudabuild.options import defaults
+    from cudabuild.registry import load_recipe
 
-    options = qwen35_moe.resolve(dict(qwen35_moe.OPTIONS, size="35b-a3b", layers=args.layers))
+    stock = defaults(load_recipe(project, "qwen_moe").options, "cuda")
+    options = qwen35_moe.resolve(dict(stock, size="35b-a3b", layers=args.layers), stock)
     t0 = time.monotonic()
     model = eager_model(project, cache, options)
     qwen35_moe.prepare_prefill(model, options)

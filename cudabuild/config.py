@@ -2,19 +2,21 @@
 
 `doit export model=NAME target=cpu size=tiny max_autotune=ON decode.low_memory_mode=ON`:
 `model` and `target` pick the build; a spec key (or `METHOD.KEY`) overrides a compile spec; any
-other name must be one of the recipe's options. Every problem is reported at once (InvalidConfig,
-one line per problem), before anything runs or enters the cache.
+other name must be one of the recipe's options (its table: cudabuild/options.py, which checks
+type, range, choices and target). Then the recipe's `resolve` fills in what follows from them and
+checks what they name (a checkpoint's config.json and its tensors' headers). Every problem is
+reported at once (InvalidConfig, one line per problem), before anything runs or enters the cache.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from cudabuild import options as option_table
 from cudabuild import registry
-from cudabuild.errors import InvalidOption, UnknownTarget
+from cudabuild.errors import InvalidConfig, InvalidOption, UnknownTarget
 from cudabuild.specs import SPEC_TABLE, merge_method_specs
 from cudabuild.backend.toolchain import resolve_target
 from cudabuild.engine.graph import Pipeline
@@ -56,55 +58,23 @@ class BuildConfig:
         return Path(value).expanduser().resolve() if value else None
 
     @property
+    def shown_options(self) -> dict[str, str]:
+        """The options' values as the console shows them, with what a value means where it says
+        (`layers: 0 (every layer)`)."""
+        table = option_table.table(option_table.Option.from_data(o) for o in self.description["option_table"])
+        return option_table.shown_values(table, self.options)
+
+    @property
     def pipeline(self) -> Pipeline:
         return PIPELINE  # every build lowers through the one CUDA pipeline
-
-
-class InvalidConfig(InvalidOption):
-    """Every problem of one build's settings. `problems` holds one line each; str() joins them on
-    one line, so a printer that shows one line still shows them all."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("; ".join(self.problems))
-
-
-_TYPES = {bool: "true or false", int: "an integer", float: "a number"}
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "''" if value == "" else str(value)
-
-
-def _coerce(model: str, name: str, default: Any, raw: str, choices: Optional[list] = None) -> Any:
-    """`raw` as the type of the option's default; InvalidOption naming the model, the option, the
-    type expected and the default."""
-    kind = type(default)
-    value: Any = str(raw)
-    try:
-        if kind is bool:
-            lowered = str(raw).lower()
-            if lowered not in ("1", "true", "on", "yes", "0", "false", "off", "no"):
-                raise ValueError(raw)
-            value = lowered in ("1", "true", "on", "yes")
-        elif kind in (int, float):
-            value = kind(raw)
-    except ValueError:
-        raise InvalidOption(f"{model} option {name}={raw}: expected {_TYPES[kind]} (default {_shown(default)})") from None
-    if choices is not None and value not in choices:
-        raise InvalidOption(f"{model} option {name}={raw}: expected one of {', '.join(map(str, choices))} "
-                            f"(default {_shown(default)})")
-    return value
 
 
 def load_config(project: Path, cli: Mapping[str, str], store, build_root: Optional[Path] = None) -> BuildConfig:
     """Merge the command line (`name=value` pairs) with the recipe's declarations.
 
-    Every problem is collected first (unknown names, option types and choices, specs, the
-    checkpoint folder, autotune), then raised together as one InvalidConfig; the recipe's
-    `resolve` runs only on settings without problems.
+    Every problem is collected (unknown names, options not of the target, option types, ranges
+    and choices, specs, autotune, then what the recipe's `resolve` finds: combinations it cannot
+    build, a checkpoint's config.json and tensors), then raised together as one InvalidConfig.
     """
     model = cli.get("model") or DEFAULT_MODEL
     problems: list[str] = []
@@ -118,28 +88,25 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
     description = registry.describe(project, model, store, target or "cpu")
 
     overrides: dict[str, str] = {}
-    defaults = description["options"]
-    choices = description.get("choices", {})
-    options = dict(defaults)
+    table = option_table.table(option_table.Option.from_data(o) for o in description["option_table"])
+    known = {o.name for o in table}
+    given: dict[str, str] = {}
     for name, value in cli.items():
         if name in RESERVED:
             continue
         key = name.rpartition(".")[2]
         if key in SPEC_TABLE:
             overrides[name] = value
-        elif name in options:
-            try:
-                options[name] = _coerce(model, name, defaults[name], value, choices.get(name))
-            except InvalidOption as e:
-                problems.append(str(e))
+        elif name in known:
+            given[name] = value
         else:
             problems.append(
-                f"unknown setting '{name}' for model {model}; recipe options: {', '.join(sorted(options)) or 'none'}; "
+                f"unknown setting '{name}' for model {model}; recipe options: "
+                f"{', '.join(option_table.names_for(table, target)) or 'none'}; "
                 f"specs: {', '.join(sorted(SPEC_TABLE))} (or METHOD.SPEC)"
             )
-    checkpoint = options.get("checkpoint")
-    if checkpoint and not os.path.isdir(os.path.expanduser(checkpoint)):
-        problems.append(f"checkpoint directory {checkpoint} does not exist")
+    options, option_problems = option_table.check(model, target, table, given)
+    problems.extend(option_problems)
 
     specs: dict = {}
     if target is not None:
@@ -150,7 +117,16 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
     autotune = cli.get("autotune") or "auto"
     if autotune not in ("auto", "pin"):
         problems.append(f"autotune={autotune}: expected auto or pin")
+    if target is not None:
+        # What the recipe makes of the options, and of the folders they name (a checkpoint's
+        # config.json and tensors): checked beside the problems above (a value with a problem is
+        # left at its default), so that every problem is reported in one go.
+        try:
+            options = registry.resolve_options(project, description, options, store)
+        except InvalidConfig as e:
+            problems.extend(p for p in e.problems if p not in problems)
+        except InvalidOption as e:
+            problems.append(str(e))
     if problems:
         raise InvalidConfig(problems)
-    options = registry.resolve_options(project, description, options, store)
     return BuildConfig(project, model, target, options, specs, description, note, autotune, build_root=build_root)

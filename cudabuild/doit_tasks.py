@@ -29,7 +29,7 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cluster, nightly, warm, workers
+from cudabuild.engine import cluster, interrupt, nightly, warm, workers
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
 from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines,
@@ -220,6 +220,23 @@ def _expected_seconds(task_name: str):
 progress.set_expectations(_expected_seconds)
 
 
+def _stages_done():
+    """(stages whose stamp holds their current key, stages) over this run's builds, or None."""
+    done = 0
+    for runner, stage in list(_STAGE_OF_TASK.values()):
+        try:
+            done += runner.decide(stage).verdict == "cached"
+        except Exception:  # an upstream stage not done: neither is this one
+            pass
+    return (done, len(_STAGE_OF_TASK)) if _STAGE_OF_TASK else None
+
+
+def handle_interrupts() -> None:
+    """Ctrl-C or SIGTERM: one line saying what is kept, every process of the build ended first,
+    exit status 130 (cudabuild.engine.interrupt). dodo.py calls it: doit's own process only."""
+    interrupt.install(_stages_done)
+
+
 def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
     """The sub-tasks of one build, named `<group>:<prefix><stage>` (prefix: to hold several builds)."""
     config = runner.config
@@ -245,7 +262,7 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
         with runner.recorder.span("manifest", "build"):
             manifest = runner.write_manifest()
         runner.recorder.merge(trace.process_start_us(), trace.now_us(), model=manifest["model"], target=manifest["target"])
-        print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir)
+        print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir, shown=runner.config.shown_options)
         if isinstance(runner.warm, warm_stage.WarmStages):  # (None where it could not serve this build)
             runner.warm.after_build([entry["status"] for entry in manifest["stages"]])
         return True

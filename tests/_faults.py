@@ -116,17 +116,19 @@ _DOIT_WITH_KILL_HOOK = (
 )
 
 
-def start_export(project: Project, log: Path, *args: str, kill_hook: bool = False, **env) -> Background:
+def start_export(project: Project, log: Path, *args: str, kill_hook: bool = False, errors: Path | None = None,
+                 **env) -> Background:
     """`doit export` in its own process group (so a kill reaches every process it started).
 
     kill_hook: the build kills its own process group right after diskcache has written the file of
     the first blob it stores and before that blob's row commits (see _kill_hook); off by default.
+    errors: stderr goes there instead of into `log`.
     """
     doit = ["-c", _DOIT_WITH_KILL_HOOK, str(Path(__file__).resolve().parent)] if kill_hook else ["-m", "doit"]
-    with open(log, "w") as out:
+    with open(log, "w") as out, open(errors or os.devnull, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, *doit, "export", *(args or BUILD_ARGS)], cwd=project.root,
-            env=project.env(**env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env=project.env(**env), stdout=out, stderr=err if errors else subprocess.STDOUT, start_new_session=True,
         )
     return Background(proc, log)
 
@@ -161,6 +163,55 @@ def kill_when(build: Background, ready: Callable[[], bool], timeout: float = 300
     os.killpg(build.proc.pid, signal.SIGKILL)
     build.proc.wait()
     raise AssertionError(f"the moment to kill never came in {timeout}s:\n{build.output()[-3000:]}")
+
+
+def signal_when(build: Background, ready: Callable[[], bool], signum: int, timeout: float = 600) -> bool:
+    """Send `signum` to the build's process group as soon as `ready()`; False if the build ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if build.proc.poll() is not None:
+            return False
+        if ready():
+            os.killpg(build.proc.pid, signum)
+            return True
+        time.sleep(0.01)
+    os.killpg(build.proc.pid, signal.SIGKILL)
+    build.proc.wait()
+    raise AssertionError(f"the moment to signal never came in {timeout}s:\n{build.output()[-3000:]}")
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    ppid: int
+    state: str
+    argv: list[str]
+
+    @property
+    def program(self) -> str:
+        return Path(self.argv[0]).name if self.argv else ""
+
+
+def processes_marked(mark: str) -> list[Process]:
+    """The live processes whose environment holds `mark` (a variable a test set for one build):
+    the build's own, its compilers, and warm processes it started and what they run."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if mark.encode() not in (entry / "environ").read_bytes():
+                continue
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if state != "Z":
+            found.append(Process(int(entry.name), int(ppid), state, argv))
+    return found
+
+
+COMPILERS = ("g++", "c++", "gcc", "cc1plus", "cc1", "as", "collect2", "ld", "clang++")
 
 
 def stage_running_for(tmpdir: Path, stage_id: str, seconds: float) -> Callable[[], bool]:
@@ -204,6 +255,6 @@ def assert_same_outputs(project: Project, clean: Project) -> None:
 def assert_cache_verifies(project: Project) -> None:
     """`cudabuild cache verify`: every blob re-hashed, none corrupt, no record naming a missing one."""
     result = subprocess.run([sys.executable, "-m", "cudabuild", "cache", "verify"], cwd=project.root,
-                            env=project.env(), capture_output=True, text=True, timeout=120)
+                            env=project.env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and " 0 dropped" in result.stdout, result.stdout + result.stderr
     assert "naming a blob this cache lacks" not in result.stdout, result.stdout

@@ -23,7 +23,7 @@ with open(sys.argv[1], "a+") as handle:
 
 
 def held_by_another_process(path) -> bool:
-    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip() == "held"
 

@@ -14,10 +14,13 @@ from cudabuild.cli import COMMANDS, main
 
 
 def run(args: list[str], tmp_path: Path, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    # This checkout's cudabuild, whichever one the environment installed (the recipes import it).
     env = {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
-           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path)}
+           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    # A bound for a hung command, not for a slow one: `explain` imports torch for the recipe, which
+    # takes minutes on a machine busy with other builds.
     return subprocess.run((program or [sys.executable, "-m", "cudabuild"]) + args, env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_help_lists_each_command_on_one_line(tmp_path):

@@ -1,16 +1,21 @@
 """Tests for cudabuild/config.py: one build's settings merged once, every problem reported together,
-recipe options checked (type, choices) and resolved (qwen_moe's max_seq_len and chunk) up front."""
+recipe options checked (type, range, choices, target) and resolved (qwen_moe's max_seq_len and
+chunk, a checkpoint's config.json and tensors) up front; and, end to end, that each class of bad
+input stops `doit export` with one line on stderr and exit status 2 before any stage starts,
+leaving build/ as it was."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
-from cudabuild.config import InvalidConfig, _coerce, load_config
+from cudabuild.config import InvalidConfig, load_config
 from cudabuild.engine.store import Store
 from cudabuild.errors import CudabuildError, InvalidOption
 
@@ -41,20 +46,28 @@ def test_options_specs_target_and_autotune_problems_come_together(store):
                      checkpoint="/no/such/dir")
     assert found == [
         "unknown target 'tpu'; expected auto, cpu or cuda",
-        "qwen_moe option layers=x: expected an integer (default 0)",
+        "qwen_moe option layers=x: expected an integer >= 0 (default 0: every layer)",
         "qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)",
-        "checkpoint directory /no/such/dir does not exist",
+        "qwen_moe option checkpoint=/no/such/dir: no such folder",
         "autotune=always: expected auto or pin",
     ]
 
 
-def test_option_messages_name_the_model_the_type_and_the_default():
-    with pytest.raises(InvalidOption, match=r"^m option fast=maybe: expected true or false \(default false\)$"):
-        _coerce("m", "fast", False, "maybe")
-    with pytest.raises(InvalidOption, match=r"^m option scale=big: expected a number \(default 1.5\)$"):
-        _coerce("m", "scale", 1.5, "big")
-    assert _coerce("m", "fast", False, "ON") is True and _coerce("m", "scale", 1.5, "2") == 2.0
-    assert _coerce("m", "size", "tiny", "35b-a3b", ["tiny", "35b-a3b"]) == "35b-a3b"
+def test_an_option_of_the_other_target_is_refused_with_the_reason(store):
+    assert problems(store, model="qwen_moe", target="cuda", chunk="8", layers="-3") == [
+        "qwen_moe option chunk=8 applies to target cpu only, not cuda; drop it for target=cuda",
+        "qwen_moe option layers=-3: expected an integer >= 0 (default 0: every layer)",
+    ]
+    assert problems(store, model="qwen_moe", target="cpu", qlinear="8w") == [
+        "qwen_moe option qlinear=8w applies to target cuda only, not cpu; drop it for target=cpu"]
+
+
+def test_what_resolve_refuses_comes_with_the_options_problems(store):
+    """A value with a problem is left at its default for resolve, which reports its own beside."""
+    assert problems(store, model="qwen_moe", target="cpu", size="huge", layers="9") == [
+        "qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)",
+        "qwen_moe option layers=9: the size tiny has 4",
+    ]
 
 
 def test_qwen_moe_lengths_come_from_the_size_and_are_in_the_options(store):
@@ -66,30 +79,36 @@ def test_qwen_moe_lengths_come_from_the_size_and_are_in_the_options(store):
     assert (asked["max_seq_len"], asked["chunk"]) == (256, 16)
 
 
-def _config_only_checkpoint(folder, **changes):
-    """A checkpoint folder with only its config.json: resolving the options reads nothing else."""
-    from cudabuild.models import qwen_moe, qwen_moe_hf
+def tiny_checkpoint(folder, edit=None, **changes):
+    """A real checkpoint of the tiny qwen_moe (random weights, Hugging Face names and layout), its
+    config.json's fields changed by `changes`; `edit(tensors)` may change its tensors first."""
+    import torch
 
-    folder.mkdir()
-    config = qwen_moe_hf.hf_config(qwen_moe.SIZES["tiny"])
+    from cudabuild.models import checkpoint, qwen_moe, qwen_moe_hf
+
+    args = qwen_moe.SIZES["tiny"]
+    tensors = checkpoint.gather_tensors(qwen_moe.build(args, seed=0), qwen_moe_hf.hf_targets(args))
+    if edit:
+        edit(tensors)
+    config = qwen_moe_hf.hf_config(args, torch.float32)
     config.update(changes)
-    (folder / "config.json").write_text(json.dumps(config))
+    checkpoint.save_checkpoint(folder, tensors, config)
     return folder
 
 
 def test_qwen_moe_lengths_come_from_the_checkpoint_capped(store, tmp_path):
-    long = _config_only_checkpoint(tmp_path / "long", max_position_embeddings=262_144)
+    long = tiny_checkpoint(tmp_path / "long", max_position_embeddings=262_144)
     options = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(long)}, store).options
     assert (options["max_seq_len"], options["chunk"]) == (4096, 64)  # not the tiny size's 128 and 8
-    short = _config_only_checkpoint(tmp_path / "short", max_position_embeddings=256)
+    short = tiny_checkpoint(tmp_path / "short", max_position_embeddings=256)
     options = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(short)}, store).options
     assert (options["max_seq_len"], options["chunk"]) == (256, 64)
-    with pytest.raises(InvalidOption, match=r"^qwen_moe option max_seq_len=512: the checkpoint's max_position_embeddings is 256$"):
-        load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(short), "max_seq_len": "512"}, store)
+    assert problems(store, model="qwen_moe", target="cpu", checkpoint=str(short), max_seq_len="512") == [
+        "qwen_moe option max_seq_len=512: the checkpoint's max_position_embeddings is 256"]
 
 
 def test_a_checkpoint_config_the_model_cannot_follow_is_refused_before_anything_runs(store, tmp_path):
-    folder = _config_only_checkpoint(tmp_path / "ckpt", attention_bias=True)
+    folder = tiny_checkpoint(tmp_path / "ckpt", attention_bias=True)
     with pytest.raises(CudabuildError) as info:
         load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(folder)}, store)
     assert str(info.value) == (f"{folder}/config.json: attention_bias=true is not supported; "
@@ -104,7 +123,7 @@ def test_resolved_options_are_memoised_so_a_second_load_imports_no_torch(tmp_pat
         "print(sorted(c.options.items()), 'torch' in sys.modules)"
     )
     env = {"CUDABUILD_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    runs = [subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    runs = [subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             for _ in range(2)]
     outputs = [r.stdout.strip() for r in runs]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
@@ -112,13 +131,131 @@ def test_resolved_options_are_memoised_so_a_second_load_imports_no_torch(tmp_pat
     assert outputs == [f"{expected} True", f"{expected} False"]
 
 
-def test_a_bad_recipe_option_stops_doit_export_with_status_2_before_probe(project):
-    result = project.export("model=qwen_moe", "target=cpu", "size=huge", "layers=x")
-    text = result.stdout + result.stderr
-    assert result.returncode == 2, text
-    errors = [line for line in text.splitlines() if line.startswith("cudabuild: error: ")]
-    for problem in ("qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)",
-                    "qwen_moe option layers=x: expected an integer (default 0)"):
-        assert any(problem in line for line in errors), text
-    assert "Traceback" not in text and "probe" not in text
-    assert not (project.root / "build" / "qwen_moe").exists()
+def test_a_checkpoints_check_is_memoised_by_its_headers_so_a_touch_imports_no_torch(tmp_path):
+    """The check of a checkpoint's config.json and tensors is keyed by the files' headers: a second
+    load, and one after a shard was touched, import no torch; a shard rewritten with another shape
+    is checked again, and refused."""
+    folder = tiny_checkpoint(tmp_path / "ckpt")
+    probe = (
+        "import sys; from pathlib import Path; from cudabuild.config import load_config;"
+        "from cudabuild.engine.store import Store; from cudabuild.errors import InvalidConfig\n"
+        f"try: c = load_config(Path({str(REPO)!r}), {{'model': 'qwen_moe', 'target': 'cpu', 'checkpoint': {str(folder)!r}}}, "
+        "Store()); print(c.options['max_seq_len'], 'torch' in sys.modules)\n"
+        "except InvalidConfig as e: print(e.problems)"
+    )
+    env = {"CUDABUILD_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+
+    def load() -> str:
+        done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert [load(), load()] == ["128 True", "128 False"]
+    os.utime(folder / "model.safetensors")
+    assert load() == "128 False"
+
+    def narrower(tensors):
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:1000].clone()
+
+    shutil.rmtree(folder)
+    tiny_checkpoint(folder, edit=narrower)
+    assert load() == str([f"tensor 'lm_head.weight' in {folder}/model.safetensors has shape [1000, 128], "
+                          "config.json implies [1024, 128]"])
+
+
+# -- each class of bad input, end to end: `doit export` in a project with a finished build ----------
+
+
+def tree(root) -> dict:
+    """Every file under root, hidden ones (stamps, trace parts) included: its size, mtime and sha256."""
+    import hashlib
+
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(built_tiny, tmp_path_factory):
+    """A copy of the run's tiny_lm build: build/ holds its outputs, stamps, logs and trace."""
+    return built_tiny.copy(tmp_path_factory.mktemp("bad-input"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Real tiny checkpoints, one per class of damage (written by cudabuild.models.checkpoint)."""
+    import torch
+
+    from cudabuild.models.safetensors_parts import read_raw_header
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    good = tiny_checkpoint(root / "good")
+    for name in ("a-list", "banana", "no-heads", "no-safetensors", "truncated"):
+        shutil.copytree(good, root / name)
+    (root / "a-list" / "config.json").write_text("[1, 2, 3]")
+    config = json.loads((good / "config.json").read_text())
+    (root / "banana" / "config.json").write_text(json.dumps(dict(config, hidden_size="banana")))
+    (root / "no-heads" / "config.json").write_text(json.dumps(dict(config, num_attention_heads=0)))
+    (root / "no-safetensors" / "model.safetensors").unlink()
+    shard = root / "truncated" / "model.safetensors"
+    _, start, size = read_raw_header(shard)
+    os.truncate(shard, start + (size - start) // 2)
+
+    def narrower(tensors):
+        name = "model.language_model.layers.0.mlp.gate.weight"
+        tensors[name] = tensors[name][:7].clone()
+
+    tiny_checkpoint(root / "shape", edit=narrower)
+
+    def half(tensors):
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float16)
+
+    tiny_checkpoint(root / "dtype", edit=half)
+    return root
+
+
+GATE = "model.language_model.layers.0.mlp.gate.weight"
+BAD_INPUT = [
+    # (id, settings, the one error line; {ckpt}: the checkpoint folder of that id)
+    ("option-range", ["model=qwen_moe", "layers=-3"], "qwen_moe option layers=-3: expected an integer >= 0 (default 0: every layer)"),
+    ("option-type", ["model=tiny_lm", "seed=x"], "tiny_lm option seed=x: expected an integer >= 0 (default 0)"),
+    ("option-choice", ["model=qwen_moe", "size=huge"], "qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)"),
+    ("option-target", ["model=qwen_moe", "target=cuda", "chunk=8"],
+     "qwen_moe option chunk=8 applies to target cpu only, not cuda; drop it for target=cuda"),
+    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; recipe options: seed; specs: "
+     "autotune_at_compile_time, autotune_pointwise, compile_wrapper_opt_level, coordinate_descent_tuning, "
+     "emulate_precision_casts, low_memory_mode, max_autotune, platform, shim_library_path, triton_kernel_mode (or METHOD.SPEC)"),
+    ("resolve", ["model=qwen_moe", "max_seq_len=3"],
+     "qwen_moe option max_seq_len=3: expected an integer >= 4 (default 0: from the checkpoint or the size)"),
+    ("no-folder", ["model=qwen_moe", "checkpoint={ckpt}"], "qwen_moe option checkpoint={ckpt}: no such folder"),
+    ("a-list", ["model=qwen_moe", "checkpoint={ckpt}"],
+     "{ckpt}/config.json: not a JSON object (a Hugging Face config.json is one), but a list"),
+    ("banana", ["model=qwen_moe", "checkpoint={ckpt}"],
+     "{ckpt}/config.json: hidden_size='banana' is not an integer; expected an integer >= 1"),
+    ("no-heads", ["model=qwen_moe", "target=cuda", "checkpoint={ckpt}"],
+     "{ckpt}/config.json: num_attention_heads=0 is out of range; expected an integer >= 1"),
+    ("no-safetensors", ["model=qwen_moe", "checkpoint={ckpt}"],
+     "{ckpt}: no .safetensors file; expected model.safetensors.index.json with shards, or one model.safetensors"),
+    ("truncated", ["model=qwen_moe", "checkpoint={ckpt}"], "{ckpt}/model.safetensors: truncated safetensors file: "),
+    ("shape", ["model=qwen_moe", "checkpoint={ckpt}"],
+     "tensor '" + GATE + "' in {ckpt}/model.safetensors has shape [7, 128], config.json implies [8, 128]"),
+    ("dtype", ["model=qwen_moe", "target=cuda", "checkpoint={ckpt}"],
+     "tensor 'lm_head.weight' in {ckpt}/model.safetensors is F16, config.json's dtype float32 implies F32"),
+]
+
+
+@pytest.mark.parametrize("settings, line", [pytest.param(s, line, id=i) for i, s, line in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_before_any_stage_and_build_is_untouched(finished, checkpoints, request, settings, line):
+    case = request.node.callspec.id
+    ckpt = checkpoints / case
+    args = [a.format(ckpt=ckpt) for a in settings]
+    if not any(a.startswith("target=") for a in args):
+        args.append("target=cpu")
+    before = tree(finished.root / "build")
+    done = finished.export(*args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    expected = "cudabuild: error: " + line.format(ckpt=ckpt)
+    errors = done.stderr.splitlines()
+    assert len(errors) == 1 and (errors[0] == expected or expected.endswith(": ") and errors[0].startswith(expected)), \
+        (errors, expected)
+    assert done.stdout == "" and "Traceback" not in done.stderr  # nothing started: no progress line, no stage
+    assert tree(finished.root / "build") == before  # no stamp, log, trace part or output written, none removed

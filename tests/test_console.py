@@ -72,7 +72,7 @@ def test_capture_takes_fd_level_output_and_the_console_still_reaches_the_termina
             console.note('progress line')
         print('after')
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "  progress line\nafter\n" and done.stderr == ""
     text = log.read_text()
@@ -102,15 +102,26 @@ def test_streaming_is_asked_for_by_verbose_or_doits_verbosity_2(argv, environ, s
     assert console.streaming(argv, environ) is streams
 
 
+def shows(stream, text: str, seconds: float = 600) -> bool:
+    """Whether `text` appears in what `stream` was written, waiting for it (a thread writes it)."""
+    deadline = time.monotonic() + seconds
+    while text not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return text in stream.getvalue()
+
+
 def test_plain_progress_keeps_one_ticker_per_running_stage():
     # Under `doit -n 4 nightly` several stages run at once: one finishing must not silence another.
     stream = io.StringIO()
     progress = PlainProgress(stream, tick=0.05)
     progress.start("export:compile.decode", 76.0)
     progress.start("export:compile.prefill", None)
-    time.sleep(0.12)
+    assert shows(stream, "  compile.decode still running")  # its ticker ticked
     progress.finish("export:compile.decode", ok=True)
-    time.sleep(0.2)
+    ticks = stream.getvalue().count("  compile.prefill still running")
+    deadline = time.monotonic() + 600
+    while stream.getvalue().count("  compile.prefill still running") <= ticks and time.monotonic() < deadline:
+        time.sleep(0.01)  # the other's ticker ticks on
     progress.close()
     lines = stream.getvalue().splitlines()
     done_at = next(i for i, line in enumerate(lines) if line.startswith("  compile.decode done in"))
@@ -128,8 +139,25 @@ def test_a_terminal_gets_rich_live_lines_with_the_last_runs_time():
     assert live_terminal(stream, {}) and not live_terminal(stream, {"CI": "true"}) and not live_terminal(io.StringIO(), {})
     progress = LiveProgress(stream)
     progress.start("export:compile.decode", 76.0)
-    time.sleep(0.3)
+    assert shows(stream, "last run 76s")  # drawn by rich's refresh thread
     progress.finish("export:compile.decode", ok=True)
     progress.close()
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue())
     assert "compile decode" in shown and "last run 76s" in shown and "done in" in shown
+
+
+def test_the_summary_says_what_an_option_means_and_what_the_saved_time_counts(tmp_path):
+    """layers=0 is every layer, said where the options are; the cache's saving is stage time added
+    up (stages that ran side by side add up to more than their build's wall time), and says so."""
+    from cudabuild.engine.console.progress import print_summary
+
+    manifest = {"model": "qwen_moe", "target": "cpu", "options": {"size": "tiny", "layers": 0, "checkpoint": ""},
+                "outputs": {"model.pte": "x"},
+                "stages": [{"stage": "compile", "method": m, "status": "cached", "seconds": 0.0, "saved_seconds": 70.0}
+                           for m in ("decode", "prefill")]}
+    out = io.StringIO()
+    print_summary(manifest, 0.4, tmp_path, out=out, shown={"layers": "0 (every layer)"})
+    lines = out.getvalue().splitlines()
+    assert "  options: size=tiny, layers=0 (every layer)" in lines
+    assert ("  ran 0, restored 0, cached 2; 0.4s total; the cache saved 140.0s of stage time (the served stages' runs, "
+            "added up)") in lines

@@ -107,15 +107,16 @@ def test_probe_prediction_matches_a_real_probe(monkeypatch):
 
 
 @pytest.mark.slow
-def test_up_to_date_build_explains_in_well_under_a_second_without_torch(tmp_path_factory):
+def test_up_to_date_build_explains_without_torch(tmp_path_factory):
+    """What keeps explain quick is asserted (no torch, no ExecuTorch); how quick is not: a time
+    asserted here failed on a busy machine."""
     built = tiny_lm_build(tmp_path_factory)
     assert set(built.explain().values()) == {"up to date"}
-    code = ("import sys, time; from cudabuild.cli import main; t = time.monotonic(); "
+    code = ("import sys; from cudabuild.cli import main; "
             f"rc = main(['explain', *{list(BUILD)!r}]); "
-            "print(rc, 'torch' in sys.modules, time.monotonic() - t, file=sys.stderr)")
-    rc, torch_loaded, seconds = built.run("-c", code).stderr.split()[-3:]
-    assert (rc, torch_loaded) == ("0", "False")
-    assert float(seconds) < 0.5
+            "print(rc, 'torch' in sys.modules, 'executorch' in sys.modules, file=sys.stderr)")
+    rc, torch_loaded, executorch_loaded = built.run("-c", code).stderr.split()[-3:]
+    assert (rc, torch_loaded, executorch_loaded) == ("0", "False", "False")
 
 
 @pytest.mark.slow

@@ -24,8 +24,11 @@ from cudabuild.engine.store import Store
 from cudabuild.models import qwen35_moe as q
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.pipeline import PIPELINE
+from cudabuild.options import defaults as option_defaults
+from cudabuild.registry import load_recipe
 
-OPTIONS = q.resolve(dict(q.OPTIONS, qlinear="8w"))
+DEFAULTS = option_defaults(load_recipe(REPO, "qwen_moe").options, "cuda")  # the recipe's table: the stock exporter's
+OPTIONS = q.resolve(dict(DEFAULTS, qlinear="8w"), DEFAULTS)
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +189,8 @@ def test_exports_key_on_the_quantized_weights(store):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (["target=cuda", "chunk=8"], "unknown setting 'chunk' for model qwen_moe"),
-    (["target=cpu", "qlinear=4w"], "unknown setting 'qlinear' for model qwen_moe"),
+    (["target=cuda", "chunk=8"], "qwen_moe option chunk=8 applies to target cpu only, not cuda"),
+    (["target=cpu", "qlinear=4w"], "qwen_moe option qlinear=4w applies to target cuda only, not cpu"),
     (["target=cuda", "qlinear=2w"], "qwen_moe option qlinear=2w: expected one of 4w, 8w, 8da4w (default 4w)"),
     (["target=cuda", "dense_prefill=dequant", "qlinear=8w"], "dense_prefill=dequant needs qlinear=4w"),
     (["target=cuda", "max_seq_len=3"], "max_seq_len=3: expected an integer >= 4"),

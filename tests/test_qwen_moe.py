@@ -150,7 +150,7 @@ def recipe():
 
 @pytest.fixture(scope="module")
 def model(recipe):
-    return recipe.build(dict(recipe.options))
+    return recipe.build(recipe.defaults("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -70,9 +70,9 @@ def test_rope_scaling_under_its_older_name_and_key_is_read():
                  "config.json: hidden_act='swiglu_oai' is not supported; supported: silu, gelu, gelu_pytorch_tanh, relu",
                  id="hidden-act"),
     pytest.param(dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
-                 "config.json: rope_type='dynamic' is not supported; supported: default, linear, yarn", id="rope-type"),
+                 "config.json: rope_parameters.rope_type='dynamic' is not supported; supported: default, linear, yarn", id="rope-type"),
     pytest.param(dict(rope_parameters={"rope_type": "linear"}),
-                 "config.json: rope_type='linear' needs a positive 'factor', got None", id="rope-factor"),
+                 "config.json: rope_type='linear' needs a positive 'factor', got none", id="rope-factor"),
     pytest.param(dict(layer_types=["linear_attention", "full_attention", "full_attention", "linear_attention"]),
                  "config.json: layer_types with full_attention at layers 1, 2 is not supported; supported: one "
                  "full_attention layer every N layers, the last of each N (full_attention_interval=N)", id="layer-pattern"),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _leases import assert_taken_over_when_the_holder_dies, holder_process
+from _leases import RENEWALS_REPORTED, assert_taken_over_when_the_holder_dies, held_past_its_time, holder_process
 
 from conftest import Project, assert_ok, new_project
 from cudabuild.engine.tiers import base, factory
@@ -223,15 +223,17 @@ def test_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies(server):
     with holder_process(f"""
         import time
         from cudabuild.engine.tiers.redis import RedisTier
-        lease = RedisTier("{server.url}", lease_seconds=1.0).try_lease("K")
+        tier = RedisTier("{server.url}", lease_seconds=1.0)
+        {RENEWALS_REPORTED}
+        lease = tier.try_lease("K")
         with lease:
             print("held", flush=True)
             time.sleep(600)
     """, "held") as holder:
         tier = make_tier(server, [], lease_seconds=1.0)
-        time.sleep(2.5)  # more than twice the lease: only the heartbeat keeps it
+        held_past_its_time(holder, lease_seconds=1.0)  # only the heartbeat keeps it
         assert tier.try_lease("K") is None
-        assert_taken_over_when_the_holder_dies(tier, holder, wait=10, lapse_under=2.5)
+        assert_taken_over_when_the_holder_dies(tier, holder)
 
 
 def test_read_only_tier_never_writes(server):
@@ -251,12 +253,12 @@ def test_read_only_tier_never_writes(server):
 def test_unreachable_redis_costs_one_warning_and_little_time():
     warnings = []
     tier = RedisTier(f"redis://127.0.0.1:{_free_port()}/0", warn=warnings.append)
-    start = time.monotonic()
     for i in range(50):
         assert tier.get_record(f"k{i}") is None and not tier.has_blobs(["a" * 64])
         assert not tier.put_record(f"k{i}", RECORD)
         assert isinstance(tier.try_lease(f"k{i}"), base.NoLease)
-    assert time.monotonic() - start < 5
+    # Given up after a few calls, not tried again by each of the 150 (what "little time" comes from).
+    assert sum(tier.faults.values()) <= base.FAILURES_TO_GIVE_UP, tier.faults
     assert len(warnings) == 1 and "continuing with the local cache only" in warnings[0]
 
 
@@ -330,7 +332,7 @@ def test_a_fresh_machine_restores_from_the_tier_without_importing_torch(built_ti
         "print('IMPORTED', 'torch' in sys.modules, 'executorch' in sys.modules, rc)"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=fresh.root, env=fresh.env(CUDABUILD_REMOTE=server.url),
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=600)
     assert_ok(result)
     assert "IMPORTED False False 0" in result.stdout
     assert fresh.statuses() == {s: "remote" for s in STAGES} and not warning_lines(result)
@@ -342,7 +344,7 @@ def test_explain_forecasts_what_redis_would_serve_and_changes_nothing(built_tiny
     fresh = new_project(tmp_path)
     redis_keys = sorted(server.client().keys("*"))
     result = subprocess.run([sys.executable, "-m", "cudabuild", "explain", *BUILD], cwd=fresh.root, capture_output=True,
-                            text=True, timeout=120, env=fresh.env(CUDABUILD_REMOTE=server.url))
+                            text=True, timeout=600, env=fresh.env(CUDABUILD_REMOTE=server.url))
     assert result.returncode == 0, result.stdout + result.stderr
     said = dict(line.strip().split(None, 1) for line in result.stdout.splitlines()[1:])
     assert list(said) == STAGES
@@ -434,7 +436,10 @@ def test_redis_stopped_mid_build_leaves_a_correct_build_and_one_warning(built_ti
     for line in proc.stdout:  # ends with the process
         lines.append(line)
         if line.startswith("> compile decode"):
-            time.sleep(2)  # the lease is taken and its heartbeat running
+            # Stopped once the compile's lease is taken (its heartbeat running), not after a time.
+            deadline = time.monotonic() + 600
+            while not server.client().keys("cudabuild:lease:*") and time.monotonic() < deadline:
+                time.sleep(0.05)
             server.stop()
     proc.wait(timeout=600)
     output = "".join(lines)

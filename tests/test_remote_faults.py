@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -85,10 +84,8 @@ def test_a_long_outage_is_given_up_after_a_few_calls_with_one_warning(s3_env, pr
     put_record_object(bucket(url, []), "rec/k", b"{}")
     proxy.down = True
     reader = bucket(url, warnings)
-    start = time.monotonic()
     for _ in range(10):
         assert reader.get_small(reader.key("rec/k"), "record lookup") is base.UNREACHABLE
-    assert time.monotonic() - start < 20
     assert reader.down and reader.faults == {"dropped": base.FAILURES_TO_GIVE_UP}
     assert len(warnings) == 1, warnings
     assert f"after {base.FAILURES_TO_GIVE_UP} failed calls in a row (record lookup: dropped: " in warnings[0]

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from _leases import assert_taken_over_when_the_holder_dies, holder_process
+from _leases import RENEWALS_REPORTED, assert_taken_over_when_the_holder_dies, held_past_its_time, holder_process
 
 from _s3_server import BUCKET, free_port
 from conftest import REPO
@@ -118,12 +118,12 @@ def test_unreachable_store_costs_one_warning_and_little_time(s3_env, monkeypatch
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     warnings = []
     blobs = blobs_at(f"s3://{BUCKET}/nowhere", warnings)
-    start = time.monotonic()
     for i in range(20):
         data = f"blob {i}".encode()
         assert not blobs.has_blobs([sha_of(data)]) and not blobs.put_blob(sha_of(data), io.BytesIO(data))
         assert not blobs.get_blob_to_file(sha_of(data), tmp_path / "out")
-    assert time.monotonic() - start < 10
+    # Given up after a few calls, not tried again by each of the 60 (what "little time" comes from).
+    assert sum(blobs.bucket.faults.values()) <= base.FAILURES_TO_GIVE_UP, blobs.bucket.faults
     assert len(warnings) == 1 and "unreachable" in warnings[0] and "continuing with the local cache only" in warnings[0]
 
 
@@ -181,17 +181,18 @@ def test_object_store_lease_is_held_by_heartbeat_and_lapses_when_the_holder_dies
     with holder_process(f"""
         import time
         from cudabuild.engine.tiers import factory
-        lease = factory.from_env({{"CUDABUILD_REMOTE": "{url}", "CUDABUILD_REMOTE_LEASE_SECONDS": "2"}}).try_lease("K")
+        tier = factory.from_env({{"CUDABUILD_REMOTE": "{url}", "CUDABUILD_REMOTE_LEASE_SECONDS": "2"}})
+        {RENEWALS_REPORTED}
+        lease = tier.try_lease("K")
         with lease:
             print(type(lease).__name__, flush=True)
             time.sleep(600)
     """, "Lease", env={**os.environ, **s3_env.env()}) as holder:
         tier = s3_tier(url, [], CUDABUILD_REMOTE_LEASE_SECONDS=2)
-        time.sleep(5)  # more than twice the lease: only the heartbeat keeps it
+        held_past_its_time(holder, lease_seconds=2.0)  # only the heartbeat keeps it
         assert tier.try_lease("K") is None
         assert tier.conditional_writes is True and not any(".probe" in k for k in s3_env.keys(url))
-        assert_taken_over_when_the_holder_dies(tier, holder, wait=20, lapse_under=6,
-                                               released=lambda: "lease/K" not in s3_env.keys(url))
+        assert_taken_over_when_the_holder_dies(tier, holder, released=lambda: "lease/K" not in s3_env.keys(url))
 
 
 def test_only_one_of_many_racing_builders_takes_a_lease(s3_env):
@@ -208,7 +209,7 @@ def test_only_one_of_many_racing_builders_takes_a_lease(s3_env):
     start = time.time() + 3
     procs = [subprocess.Popen([sys.executable, "-c", racer, str(start)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, **s3_env.env()}) for _ in range(4)]
-    got = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    got = sorted(p.communicate(timeout=600)[0].strip() for p in procs)
     assert got == ["Lease"] + ["NoneType"] * 3, got
 
 
@@ -379,7 +380,7 @@ def test_gc_remote_from_the_command_line(s3_env, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDABUILD_")}
     env.update(CUDABUILD_REMOTE=url, CUDABUILD_CACHE_DIR=str(tmp_path / "cache"))
     run = lambda *args: subprocess.run([sys.executable, "-m", "cudabuild", "cache", "gc", "--remote", *args], cwd=REPO,
-                                       env=env, capture_output=True, text=True, timeout=60)
+                                       env=env, capture_output=True, text=True, timeout=600)
     done = run("--max-size", "1K", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert f"remote {url}: 1 blob" in done.stdout and "would evict 0 blobs" in done.stdout

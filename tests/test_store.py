@@ -70,7 +70,7 @@ def read_in_a_build(root, key: str, how: str) -> tuple[dict, list[str]]:
     """Read `key` twice the way `how` does, in a process of its own; (what it saw, its warning lines)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDABUILD_")}
     done = subprocess.run([sys.executable, "-c", _READ, str(root), key, how], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout), [line for line in done.stderr.splitlines() if line.startswith("cudabuild: warning:")]
 

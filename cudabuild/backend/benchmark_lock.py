@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from cudabuild.engine.console import trace
+
 # The benchmarker's methods that run kernels on the GPU to time them (an older torch's names).
 GPU_ENTRY_POINTS = ("benchmark_gpu", "benchmark_gpu_with_cuda_graph")
 
@@ -41,7 +43,9 @@ class ProcessLock:
             if self._depth == 0:
                 self.lock_file.parent.mkdir(parents=True, exist_ok=True)
                 self._handle = open(self.lock_file, "a+")
-                fcntl.flock(self._handle, fcntl.LOCK_EX)
+                # Named in the trace where it is long enough to matter (a compile times hundreds).
+                with trace.wait("wait: timing lock", min_seconds=0.05):
+                    fcntl.flock(self._handle, fcntl.LOCK_EX)
             self._depth += 1
             try:
                 yield

@@ -16,7 +16,8 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
    ($CUDABUILD_REMOTE, see cudabuild.engine.tiers); a stage that ran is written back to that tier.
 Execution of one key is serialised across processes with an flock, so two builds sharing a cache
 never compile the same key at the same time; the second one restores what the first stored. With
-a shared tier, a lease there does the same across machines (see `_claim`).
+a shared tier, a lease there does the same across machines (see `_claim`). Every wait of a stage
+(those, and its memory admission and device lock) is a named span of the trace (WAITS).
 With a `delegate` (a Dask cluster's, cudabuild.engine.cluster), a stage that must run is run by a
 worker instead, which publishes it to the shared tier; it is then restored from there like any
 record, its stamp saying it ran, where, and how long it took.
@@ -47,6 +48,14 @@ from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage,
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
 from cudabuild.engine.store import Store
+
+
+# What a stage may wait for, each a span of its own in trace.json (category "wait"), recorded
+# whether it waited or not: its turn for memory beside the build's other stages (workers.py), the
+# device's lock, the key's lock (another process of this machine building the same key), the key's
+# lease on the shared tier (another machine building it), a warm process to take its call.
+WAITS = {"memory": "wait: memory admission", "device": "wait: device lock", "key": "wait: key lock",
+         "lease": "wait: lease", "warm": "wait: warm process"}
 
 
 @dataclass(frozen=True)
@@ -316,11 +325,15 @@ class Runner:
         (later stages ask again), or none could serve (later ones of this process run here too)."""
         from cudabuild.engine.warm import WarmNotRunning, WarmUnavailable
 
+        asked = trace.now_us()
         try:
             outcome = self.warm(stage)
         except WarmNotRunning:  # none up, and this build does not start one: run here, no warning
             return None
         except WarmUnavailable as e:
+            # The time spent waiting for one that did not come is named (a served call's own wait
+            # is recorded by the process that took it, from when it was asked: warm_stage).
+            self.recorder.complete(WAITS["warm"], asked, trace.now_us(), "wait", served=False)
             terminal.warn(f"{e}; stages run in the build's own processes")
             self.warm = None
             return None
@@ -356,7 +369,8 @@ class Runner:
                 return None, contextlib.nullcontext()
             if not polls:
                 self.log(f"{stage.id}: another builder is building {key[:12]}; waiting for its result")
-            remote.wait_for_result(key, deadline)
+            with trace.wait(WAITS["lease"], key=key[:12]):
+                remote.wait_for_result(key, deadline)
 
     def _delegated(self, stage: Stage, decision: Decision) -> str:
         """Have the delegate run the stage (on a cluster's worker), then restore the record it
@@ -484,9 +498,11 @@ class Runner:
                          device_alone=bool(on_device and on_device.alone),
                          device_why=on_device.why if on_device else ""), \
                 contextlib.ExitStack() as held:
-            waited = held.enter_context(workers.admitted(locks / "stages", admission.alone))
+            with trace.wait(WAITS["memory"], alone=admission.alone):
+                waited = held.enter_context(workers.admitted(locks / "stages", admission.alone))
             if device:
-                waited += held.enter_context(workers.admitted(workers.device_lock(locks, device), on_device.alone))
+                with trace.wait(WAITS["device"], device=device, alone=on_device.alone):
+                    waited += held.enter_context(workers.admitted(workers.device_lock(locks, device), on_device.alone))
             if waited >= 1.0:
                 self.log(f"{stage.id}: waited {waited:.0f}s for its turn "
                          f"({admission.why}{f'; on {device}: {on_device.why}' if device else ''})")
@@ -551,7 +567,8 @@ class Runner:
         lock_dir = self.store.root / "locks"
         lock_dir.mkdir(parents=True, exist_ok=True)
         with open(lock_dir / key[:16], "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            with trace.wait(WAITS["key"], key=key[:12]):
+                fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield
             finally:

@@ -25,6 +25,9 @@ when a WarmProcesses is made (a build's start). A caller whose key differs gets 
 that imported under the old one. Processes live under /tmp/cudabuild-warm-<uid>/ (a Unix socket's
 path must be short), named by that key, beside their logs.
 
+A caller interrupted mid-call (Ctrl-C) hangs up and waits until the process serving the call, and
+everything it started, is gone (`hang_up`).
+
 `$CUDABUILD_WARM=0` turns this off: each stage runs in the build's own processes, as before. A
 warm process that cannot start (within START_SECONDS) leaves the build to do the same. A no-op
 build starts none: only a stage that must run makes a call.
@@ -57,6 +60,10 @@ IDLE_ENV = "CUDABUILD_WARM_IDLE_SECONDS"
 IDLE_SECONDS = 900.0
 # A cold import of torch, ExecuTorch and inductor takes 7-12 s; a loaded machine, longer.
 START_SECONDS = 180.0
+# How long an interrupted caller waits for the process serving its call to end.
+HANG_UP_SECONDS = 20.0
+# How often a caller waiting for its answer wakes, so that a signal's handler runs (_receive).
+WAKE_SECONDS = 0.2
 SERVER = Path(__file__).with_name("warm_server.py")
 # A server's files (log, sidecar, lock, mode) are removed this long after they last changed,
 # once its socket is gone.
@@ -158,14 +165,17 @@ class WarmProcesses:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
-            with _stdio() as fds:
-                socket.send_fds(conn, [warm_server.HEADER.pack(len(data))], fds)
-            conn.sendall(data)
             try:
-                answer = pickle.loads(warm_server.receive(conn))
+                with _stdio() as fds:
+                    socket.send_fds(conn, [warm_server.HEADER.pack(len(data))], fds)
+                conn.sendall(data)
+                answer = pickle.loads(_receive(conn))
             except EOFError:
                 raise RuntimeError(f"the warm process's child for {function} ended without an answer "
                                    f"(killed? its server's log: {self.log_path()})") from None
+            except BaseException:  # interrupted (Ctrl-C): end the call, and wait until what it ran is gone
+                hang_up(conn)
+                raise
         self.last_server = answer.get("server")
         if "error" in answer:
             if answer["error"] is not None:
@@ -239,6 +249,47 @@ class WarmProcesses:
             {"cache": str(Path(self.cache_root).resolve()), "pid": server.pid, "modules": list(self.modules),
              "python": sys.executable, "started": time.time()}))
         return server
+
+
+def _receive(conn: socket.socket) -> bytes:
+    """warm_server.receive, waking every WAKE_SECONDS while the call runs: Python runs a signal's
+    handler in the main thread when it executes, and the kernel may hand the signal (Ctrl-C) to
+    another thread of this process, which leaves a blocking recv asleep until the answer comes."""
+    conn.settimeout(WAKE_SECONDS)
+
+    def exactly(size: int) -> bytes:
+        chunks, left = [], size
+        while left:
+            try:
+                chunk = conn.recv(min(left, 1 << 20))
+            except socket.timeout:
+                continue
+            if not chunk:
+                raise EOFError("the other end hung up")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    return exactly(warm_server.HEADER.unpack(exactly(warm_server.HEADER.size))[0])
+
+
+def hang_up(conn: socket.socket, seconds: float = HANG_UP_SECONDS) -> bool:
+    """End a call in flight: the process serving it sees its caller leave and kills its process
+    group (itself, a compiler, inductor's workers: warm_server); returns once its end of the socket
+    is closed, i.e. it is gone (False after `seconds` without that)."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+    deadline = time.monotonic() + seconds
+    conn.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            if not conn.recv(1 << 16):
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
 
 
 def running() -> list[dict]:

@@ -29,9 +29,9 @@ than it started for changes mode at the first answer: extra forking workers are 
 
 Either way the process that serves takes the caller's stdin, stdout and stderr (passed over the
 socket), its environment, working directory and sys.path, imports the named function and runs it
-on the payload, and sends back what it returns (or the exception it raised). While it runs, a
-thread waits for the caller to hang up: a caller that is gone (a build interrupted) ends it, and
-so the stage it ran.
+on the payload, and sends back what it returns (or the exception it raised). It runs in a process
+group of its own; while it runs, a thread waits for the caller to hang up: a caller that is gone (a
+build interrupted) ends it and everything the call started (the group), and so the stage it ran.
 
 SOCKET appears once a worker is ready. The server exits after IDLE_SECONDS without a call and
 with no call still running, or as soon as SOCKET is no longer its own (another server took the
@@ -110,10 +110,17 @@ def _preload(modules: list[str]) -> None:
 
 
 def _exit_when_caller_leaves(conn: socket.socket) -> None:
-    """The caller sends nothing after its call: the next recv returns only when it hangs up."""
+    """The caller sends nothing after its call: the next recv returns only when it hangs up. Then
+    this process and everything it started (a compiler, inductor's compile workers) end at once:
+    they are its process group (_serve_call), and the caller waits for this end of the socket to
+    close (cudabuild.engine.warm.hang_up)."""
     def wait():
         try:
             conn.recv(1)
+        except OSError:
+            pass
+        try:
+            os.killpg(os.getpid(), signal.SIGKILL)
         except OSError:
             pass
         os._exit(3)
@@ -139,6 +146,14 @@ def _serve_call(conn: socket.socket) -> None:
         os.chdir(call["cwd"])
         sys.path[:] = call["path"]
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A fork inherits the forking worker's ignored SIGCHLD, with which the kernel reaps the
+        # call's own children at once and subprocess reads every exit status as 0 (a compiler
+        # that failed would pass).
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            os.setpgid(0, 0)  # a group of its own: what the call starts ends with it
+        except OSError:
+            pass
         _exit_when_caller_leaves(conn)
         module, _, function = call["function"].partition(":")
         try:

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write
-from cudabuild.models.safetensors_parts import HeaderError, read_raw_header
+from cudabuild.models.safetensors_parts import HeaderError, checked_header, read_raw_header
 
 PathLike = Union[str, os.PathLike]
 
@@ -79,34 +79,15 @@ class Header:
 
 def read_header(path: PathLike) -> Header:
     """The parsed header of one .safetensors file, checked against the file's size and the
-    dtypes' sizes (what the writer wrote; reading tensors is the library's, via `open_file`)."""
+    dtypes' sizes (safetensors_parts.checked_header; reading tensors is the library's, via `open_file`)."""
     path = Path(path)
     try:
-        entries, data_start, size = read_raw_header(path)
+        entries, metadata = checked_header(path)
+        data_start = read_raw_header(path)[1]
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file (listed by the checkpoint)") from None
     except HeaderError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    metadata = entries.pop("__metadata__", None) or {}
-    end = 0
-    for name, e in entries.items():
-        dtype = _DTYPES.get(e.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"tensor '{name}' in {path}: unsupported dtype {e.get('dtype')!r}")
-        begin, stop = e["data_offsets"]
-        numel = 1
-        for d in e["shape"]:
-            numel *= d
-        if stop - begin != numel * dtype.itemsize:
-            raise CheckpointError(
-                f"tensor '{name}' in {path}: data_offsets span {stop - begin} bytes, "
-                f"shape {e['shape']} of {e['dtype']} needs {numel * dtype.itemsize}"
-            )
-        end = max(end, stop)
-    if data_start + end > size:
-        raise CheckpointError(
-            f"{path}: truncated safetensors file: the header describes {data_start + end} bytes, the file has {size}"
-        )
     return Header(path, entries, data_start, metadata)
 
 

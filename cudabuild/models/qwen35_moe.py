@@ -5,7 +5,8 @@ Owns what happens after the weights are quantized (cudabuild/models/qwen35_moe_q
 loading a bundle into a meta model with `assign` (the stock prequantized loader), the runtime
 buffers, the per-method switches (decode: the vec-mat MoE kernel and int4 matvec; prefill: the
 batched tensor-core MoE kernel, tinygemm or dequant dense linears), the methods' inputs
-(`tokens`, `input_pos`, `temperature`), the runner's metadata, and what the options may be.
+(`tokens`, `input_pos`, `temperature`), the runner's metadata, and which combinations of the
+options it can take (the options themselves, with their types and defaults, are the recipe's table).
 
 The model itself is ExecuTorch's, unchanged: its forward calls ExecuTorch's Triton ops (fused MoE,
 the chunked and the fused-decode delta rule, split-K decode attention, int4 matvec), so it runs on
@@ -23,23 +24,16 @@ from typing import Any, Mapping
 import torch
 
 from cudabuild.backend import custom_ops
-from cudabuild.errors import InvalidOption
+from cudabuild.errors import InvalidConfig, InvalidOption
 from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
 
 # The KV cache's length when a size or checkpoint does not say: the stock exporter's --max-seq-len.
 DEFAULT_MAX_SEQ_LEN = 4096
 # prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
 MIN_SEQ_LEN = 4
-# What the options default to: the stock exporter's, with int4 linears (bf16 experts cannot run on cuda).
-OPTIONS = {
-    "size": "tiny", "layers": 0, "checkpoint": "", "prequantized": "", "seed": 42, "max_seq_len": 0,
-    "qlinear": "4w", "qlinear_group_size": 32, "qembedding": "", "hqq": False,
-    "dense_prefill": "tinygemm", "moe_activation_dtype": "bf16", "splitk": True,
-}
-CHOICES = {
-    "size": tuple(quant.SIZES), "qlinear": ("4w", "8w", "8da4w"), "qembedding": ("", "8w"),
-    "dense_prefill": ("tinygemm", "dequant"), "moe_activation_dtype": ("bf16", "int8"),
-}
+# The layers of a size that does not say: Qwen35MoEConfig's default, 35B-A3B's 40.
+DEFAULT_LAYERS = 40
 # The options that decide the quantized weights (the quantize stage's key); the folders too.
 QUANTIZE_OPTIONS = ("size", "layers", "seed", "qlinear", "qlinear_group_size", "qembedding", "hqq")
 QUANTIZE_FOLDERS = ("checkpoint", "prequantized")
@@ -47,38 +41,49 @@ QUANTIZE_FOLDERS = ("checkpoint", "prequantized")
 DECIDED_BY_A_BUNDLE = ("layers", "qlinear", "qlinear_group_size", "qembedding", "hqq")
 
 
-def resolve(options: Mapping[str, Any]) -> dict:
-    """The options with max_seq_len filled in; every combination the model cannot take refused."""
+def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
+    """The options with max_seq_len filled in; every combination the model cannot take refused, all
+    at once. `defaults` are the options' defaults (the recipe's table: the stock exporter's). A
+    checkpoint's config.json and the tensors it implies are checked here, as a bundle's config.json
+    is (cudabuild/models/qwen_moe_checkpoint.py, the fields ExecuTorch's model reads)."""
     out = dict(options)
     problems = []
     if options["checkpoint"] and options["prequantized"]:
         problems.append("qwen_moe options checkpoint= and prequantized= exclude each other: a bundle is already "
                         "the quantized checkpoint")
+    layers = int(options["layers"])
     if options["prequantized"]:
-        fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != OPTIONS[name]]
+        fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != defaults[name]]
         if fixed:
             problems.append(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself; "
                             f"drop {', '.join(fixed)}")
         else:
-            quant.check_bundle(_folder(options["prequantized"]))
+            try:
+                quant.check_bundle(_folder(options["prequantized"]))
+                config, found = checkpoint_fields.read_config(_folder(options["prequantized"]))
+                problems += found or checkpoint_fields.checked_fields(
+                    config, "cuda", str(_folder(options["prequantized"]) / quant.CONFIG))[1]
+            except InvalidOption as e:
+                problems.append(str(e))
     if options["dense_prefill"] == "dequant" and options["qlinear"] != "4w":
         problems.append(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
                         f"not qlinear={options['qlinear']}")
-    source = options["checkpoint"] or options["prequantized"]
-    layers = int(options["layers"])
     if layers < 0:
         problems.append(f"qwen_moe option layers={layers}: expected an integer >= 0 (0: every layer)")
-    if source:
-        config = _config_file(source)
-        if layers > config.num_hidden_layers:
-            problems.append(f"qwen_moe option layers={layers}: the checkpoint has {config.num_hidden_layers}")
+    if options["checkpoint"]:
+        problems += checkpoint_fields.check_checkpoint(options["checkpoint"], "cuda", layers)[1]
+    elif not options["prequantized"]:
+        size_layers = quant.SIZES[options["size"]].get("num_hidden_layers", DEFAULT_LAYERS)
+        if layers > size_layers:
+            problems.append(f"qwen_moe option layers={layers}: the size {options['size']} has {size_layers}")
+    source = options["checkpoint"] or options["prequantized"]
     max_seq_len = int(options["max_seq_len"]) or (quant.SIZES[options["size"]].get("max_seq_len") if not source else 0) \
         or DEFAULT_MAX_SEQ_LEN
     if max_seq_len < MIN_SEQ_LEN:
         problems.append(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
                         "(default 0: from the size, else 4096)")
     if problems:
-        raise InvalidOption("; ".join(problems))
+        raise InvalidConfig(problems)
     out["max_seq_len"] = max_seq_len
     return out
 
@@ -87,18 +92,6 @@ def _folder(path: str):
     from pathlib import Path
 
     return Path(path).expanduser().resolve()
-
-
-def _config_file(folder: str):
-    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
-
-    path = os.path.join(os.path.expanduser(folder), quant.CONFIG)
-    try:
-        return Qwen35MoEConfig.from_hf_config(path)
-    except FileNotFoundError:
-        raise InvalidOption(f"qwen_moe: {path} does not exist") from None
-    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
-        raise InvalidOption(f"qwen_moe: {path} is not a Qwen3.5-MoE config ({type(e).__name__}: {e})") from None
 
 
 def load(options: Mapping[str, Any], folder) -> torch.nn.Module:

@@ -1,10 +1,12 @@
 """The Hugging Face side of qwen_moe: config.json -> ModelArgs, and checkpoint tensor names ->
 the model's parameters.
 
-Owns what a Qwen3.5-MoE checkpoint means for cudabuild/models/qwen_moe.py: every config.json field
-that changes the model's numbers is either read into ModelArgs or refused with one line that names
-the field, its value and what is supported; a model that differs from the checkpoint's own
-definition is never built silently. Reading the files is cudabuild/models/checkpoint.py's business.
+Owns what a Qwen3.5-MoE checkpoint means for cudabuild/models/qwen_moe.py: its ModelArgs, read from
+config.json's fields once the table of cudabuild/models/qwen_moe_checkpoint.py has checked them
+(every field that changes the model's numbers is read, or refused there in one line that names the
+field, its value and what is supported; a model that differs from the checkpoint's own definition
+is never built silently), and which tensor fills which parameter. Reading the files is
+cudabuild/models/checkpoint.py's business.
 """
 
 from __future__ import annotations
@@ -16,48 +18,21 @@ from typing import Any, Mapping, Optional
 import torch
 
 from cudabuild.models import checkpoint
+from cudabuild.models import qwen_moe_checkpoint as fields
 from cudabuild.models.checkpoint import CheckpointError, Target
-from cudabuild.models.qwen_moe import ACTIVATIONS, ROPE_TYPES, ModelArgs, Transformer, build
-
-# Qwen3.5 rotates a quarter of each head; its configs may leave partial_rotary_factor out.
-DEFAULT_PARTIAL_ROTARY = 0.25
+from cudabuild.models.qwen_moe import ModelArgs, Transformer, build
 
 
-def _refused(where: str, field: str, value, supported: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {field}={json_value(value)} is not supported; supported: {supported}")
-
-
-def json_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def _get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _rope(c: Mapping[str, Any], where: str) -> dict:
-    """The rotary fields of ModelArgs from a text config's rope_parameters / rope_scaling."""
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    out = {
-        "rope_fraction": c.get("partial_rotary_factor", rope.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY)),
-        "rope_theta": c.get("rope_theta", rope.get("rope_theta", 10_000.0)),
-        "rope_type": kind,
-    }
-    if kind not in ROPE_TYPES:
-        raise _refused(where, "rope_type", kind, ", ".join(ROPE_TYPES))
+def _rope(v: Mapping[str, Any]) -> dict:
+    """The rotary fields of ModelArgs from a checked config's rope scaling."""
+    rope, kind = v["rope"], v["rope"]["rope_type"]
+    out = {"rope_fraction": v["partial_rotary_factor"], "rope_theta": v.get("rope_theta") or 10_000.0, "rope_type": kind}
     if kind == "default":
         return out
-    factor = rope.get("factor")
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-        raise CheckpointError(f"{where}: rope_type={kind!r} needs a positive 'factor', got {json_value(factor)}")
-    out["rope_factor"] = float(factor)
+    factor = rope["factor"]
+    out["rope_factor"] = factor
     if kind == "yarn":
-        original = rope.get("original_max_position_embeddings") or c.get("max_position_embeddings")
-        if not original:
-            raise CheckpointError(f"{where}: rope_type='yarn' needs original_max_position_embeddings or max_position_embeddings")
+        original = rope.get("original_max_position_embeddings") or v.get("max_position_embeddings")
         attention = rope.get("attention_factor")
         if attention is None:
             mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -69,97 +44,59 @@ def _rope(c: Mapping[str, Any], where: str) -> dict:
     return out
 
 
-def _interval(layer_types, where: str) -> int:
-    """full_attention_interval read off a layer_types list (transformers stores only the list)."""
-    if not layer_types or "full_attention" not in layer_types:
-        raise CheckpointError(f"{where}: neither full_attention_interval nor a layer_types list with a full_attention layer")
-    return list(layer_types).index("full_attention") + 1
-
-
-def _check_layer_types(kinds, args: ModelArgs, where: str) -> None:
-    unknown = sorted({k for k in kinds} - {"full_attention", "linear_attention"})
-    if unknown:
-        raise _refused(where, "layer_types", unknown[0], "'full_attention' and 'linear_attention'")
-    if len(kinds) != args.n_layers:
-        raise CheckpointError(f"{where}: layer_types lists {len(kinds)} layers, num_hidden_layers is {args.n_layers}")
-    expected = ["full_attention" if args.is_full_attention(i) else "linear_attention" for i in range(args.n_layers)]
-    if list(kinds) != expected:
-        full = [i for i, k in enumerate(kinds) if k == "full_attention"]
-        raise CheckpointError(
-            f"{where}: layer_types with full_attention at layers {', '.join(map(str, full))} is not supported; "
-            "supported: one full_attention layer every N layers, the last of each N (full_attention_interval=N)"
-        )
-
-
-def _dtype(config: Mapping[str, Any], where: str) -> torch.dtype:
-    """The weight dtype: `dtype`/`torch_dtype` in config.json (text config first), else bfloat16."""
-    text = config.get("text_config", config)
-    name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
-    dtype = getattr(torch, name or "bfloat16", None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise CheckpointError(f"{where}: dtype {name!r} is not a floating-point torch dtype")
-    return dtype
+def _get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def args_from_hf(config: Mapping[str, Any], max_seq_len: int, chunk: int, where: str = "config.json") -> ModelArgs:
     """ModelArgs from a Hugging Face config.json (a Qwen3.5-MoE one; `text_config` when nested).
 
-    `where` names the file in messages. Fields this model does not implement are refused.
+    `where` names the file in messages. Every field is checked by the table of
+    cudabuild/models/qwen_moe_checkpoint.py first (type, range, what this form implements); a
+    config with problems raises one CheckpointError that carries them all (`problems`).
     """
-    c = config.get("text_config", config)
-
-    def need(key):
-        if key not in c:
-            raise CheckpointError(f"{where}: missing '{key}' (a Qwen3.5-MoE text config needs it)")
-        return c[key]
-
-    if c.get("attention_bias"):
-        raise _refused(where, "attention_bias", c["attention_bias"], "false (no bias on the attention projections)")
-    act = c.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise _refused(where, "hidden_act", act, ", ".join(ACTIVATIONS))
-    if c.get("norm_topk_prob") is False:
-        raise _refused(where, "norm_topk_prob", False, "true (the k chosen experts' weights renormalised)")
-    args = ModelArgs(
-        vocab_size=need("vocab_size"),
-        dim=need("hidden_size"),
-        n_layers=need("num_hidden_layers"),
-        n_heads=need("num_attention_heads"),
-        n_kv_heads=need("num_key_value_heads"),
-        head_dim=c.get("head_dim") or need("hidden_size") // need("num_attention_heads"),
-        lin_k_heads=need("linear_num_key_heads"),
-        lin_v_heads=need("linear_num_value_heads"),
-        lin_k_dim=need("linear_key_head_dim"),
-        lin_v_dim=need("linear_value_head_dim"),
-        conv_width=need("linear_conv_kernel_dim"),
-        n_experts=need("num_experts"),
-        top_k=need("num_experts_per_tok"),
-        expert_dim=need("moe_intermediate_size"),
-        shared_dim=need("shared_expert_intermediate_size"),
-        full_attn_every=c.get("full_attention_interval") or _interval(c.get("layer_types"), where),
+    v, problems = fields.checked_fields(config, "cpu", where)
+    if problems:
+        error = CheckpointError("; ".join(problems))
+        error.problems = problems
+        raise error
+    return ModelArgs(
+        vocab_size=v["vocab_size"],
+        dim=v["hidden_size"],
+        n_layers=v["num_hidden_layers"],
+        n_heads=v["num_attention_heads"],
+        n_kv_heads=v["num_key_value_heads"],
+        head_dim=v["head_dim"],
+        lin_k_heads=v["linear_num_key_heads"],
+        lin_v_heads=v["linear_num_value_heads"],
+        lin_k_dim=v["linear_key_head_dim"],
+        lin_v_dim=v["linear_value_head_dim"],
+        conv_width=v["linear_conv_kernel_dim"],
+        n_experts=v["num_experts"],
+        top_k=v["num_experts_per_tok"],
+        expert_dim=v["moe_intermediate_size"],
+        shared_dim=v["shared_expert_intermediate_size"],
+        full_attn_every=v["full_attention_interval"],
         max_seq_len=max_seq_len,
         chunk=chunk,
-        norm_eps=c.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
-        dtype=_dtype(config, where),
-        hidden_act=act,
-        **_rope(c, where),
+        norm_eps=v["rms_norm_eps"],
+        tie_embeddings=bool(v["tie_word_embeddings"]),
+        dtype=getattr(torch, v["dtype"]),
+        hidden_act=v["hidden_act"],
+        **_rope(v),
     )
-    if c.get("layer_types") is not None:
-        _check_layer_types(list(c["layer_types"]), args, where)
-    return args
 
 
 def max_positions(config: Mapping[str, Any]) -> Optional[int]:
     """The context length the checkpoint supports (max_position_embeddings), if it says."""
-    value = config.get("text_config", config).get("max_position_embeddings")
-    return int(value) if isinstance(value, int) and value > 0 else None
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    value = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-# The text tower's prefix in Qwen3.5's multimodal checkpoints; text-only ones use "model.".
-HF_PREFIXES = ("model.language_model.", "model.")
-# Tensors of a Qwen3.5 checkpoint that are not part of the text decoder.
-HF_IGNORED = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp)")
+# The text tower's prefix in Qwen3.5's multimodal checkpoints, and the tensors that are not part of
+# the text decoder: the checkpoint table's (cudabuild/models/qwen_moe_checkpoint.py).
+HF_PREFIXES, HF_IGNORED = fields.PREFIXES, fields.IGNORED
 
 _HF_LAYER = {  # Hugging Face name inside layer i -> this model's name inside layers.i
     "input_layernorm.weight": "attn_norm.weight",
@@ -219,12 +156,7 @@ def hf_targets(args: ModelArgs, prefix: str = "model.language_model.", fused_exp
     return t
 
 
-def hf_layout(names) -> tuple[str, bool]:
-    """The (prefix, fused_experts) a checkpoint uses, read off its tensor names."""
-    names = list(names)
-    prefix = next((p for p in HF_PREFIXES if any(n.startswith(p + "layers.") for n in names)), HF_PREFIXES[0])
-    fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
-    return prefix, fused
+hf_layout = fields.layout  # (prefix, fused experts), read off a checkpoint's tensor names
 
 
 def hf_skipped(args: ModelArgs, prefix: str):

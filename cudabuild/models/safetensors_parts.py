@@ -1,10 +1,16 @@
-"""A .safetensors file's tensors as key inputs: one digest per tensor, without torch.
+"""A .safetensors file's header and tensors, without torch: the header checked, and one digest per
+tensor as key inputs.
 
 How a checkpoint shard enters export's key (cudabuild.pipeline): {tensor name: sha256 of its
 dtype, shape and bytes}, so a changed shard is explained by the tensors that changed, and a shard
 rewritten with the same tensors (a touch, a copy) keys the same. The file is read once, in order,
 a chunk at a time; the hash memo (engine.hashing) keeps the result under the file's stat
 signature, so a no-op build reads nothing.
+
+`checked_header` reads only the header and says what is wrong with it (an entry that is not
+{dtype, shape, data_offsets}, a dtype the format does not have, offsets that do not span the
+shape's bytes, a file too short for them): what a build checks up front, before any stage, for
+every file of a checkpoint, without reading tensor data. `header_digest` keys such a check.
 
 The header is parsed here rather than by the `safetensors` package: the package reads tensors, but
 does not say where a tensor's bytes lie in the file, which is what hashing them in one pass needs.
@@ -21,6 +27,9 @@ import struct
 
 CHUNK = 1 << 20
 METADATA = "__metadata__"
+# Bytes per element of each dtype the format names.
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+               "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class HeaderError(ValueError):
@@ -46,6 +55,50 @@ def read_raw_header(path: str | os.PathLike) -> tuple[dict, int, int]:
     if not isinstance(entries, dict):
         raise HeaderError("safetensors header is not a JSON object")
     return entries, 8 + n, size
+
+
+def checked_header(path: str | os.PathLike) -> tuple[dict, dict]:
+    """({tensor name: {dtype, shape, data_offsets}}, the header's __metadata__) of one file, its
+    entries checked against the format and the file's size; HeaderError naming the first entry
+    that is wrong. Reads the header only."""
+    entries, start, size = read_raw_header(path)
+    metadata = entries.pop(METADATA, None) or {}
+    end = 0
+    for name, e in entries.items():
+        if not isinstance(e, dict):
+            raise HeaderError(f"tensor '{name}': its header entry is not an object")
+        dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dtype not in DTYPE_SIZES:
+            raise HeaderError(f"tensor '{name}': unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise HeaderError(f"tensor '{name}': shape {shape!r} is not a list of sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+                or offsets[1] < offsets[0]):
+            raise HeaderError(f"tensor '{name}': data_offsets {offsets!r} are not [begin, end]")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * DTYPE_SIZES[dtype]:
+            raise HeaderError(f"tensor '{name}': data_offsets span {offsets[1] - offsets[0]} bytes, "
+                              f"shape {shape} of {dtype} needs {numel * DTYPE_SIZES[dtype]}")
+        end = max(end, offsets[1])
+    if start + end > size:
+        raise HeaderError(f"truncated safetensors file: the header describes {start + end} bytes, the file has {size}")
+    return entries, metadata if isinstance(metadata, dict) else {}
+
+
+def header_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file's header bytes and its size (what checked_header reads), or of its first
+    bytes where it has no header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        h = hashlib.sha256(f"{size}\n".encode() + head)
+        if n <= size - 8:
+            h.update(f.read(n))
+    return h.hexdigest()
 
 
 def tensor_digests(path: str | os.PathLike) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """What `doit export` prints: progress while stages run, one line per failure (with the stage's log),
-and a one-screen summary at the end (per stage ran/cached/restored/remote and seconds, total time,
-time saved by the cache).
+and a one-screen summary at the end (the options used, per stage ran/cached/restored/remote and
+seconds, total time, and the stage time the cache saved: the served stages' last runs added up,
+which is more than a build's wall time when they ran side by side).
 
 Progress has two forms. On a terminal (and not under CI=true), rich draws one live line per
 running stage with its elapsed time and, where known, how long its last run took; each finished
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 
+from cudabuild.engine import interrupt
 from cudabuild.engine.console import terminal
 
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
@@ -79,6 +81,8 @@ class PlainProgress:
         for name in list(self._running):
             self.finish(name, ok=False)
 
+    stop = close  # a stage that did not finish prints nothing here
+
 
 class LiveProgress:
     """rich's live display: a spinner line per running stage, a line per finished one."""
@@ -114,6 +118,13 @@ class LiveProgress:
             self.finish(name, ok=False)
         self._progress.stop()
 
+    def stop(self) -> None:
+        """Take the live lines down and print nothing (an interrupted build says one line itself)."""
+        for task, _ in self._tasks.values():
+            self._progress.remove_task(task)
+        self._tasks.clear()
+        self._progress.stop()
+
 
 class CudabuildReporter(ConsoleReporter):
     desc = "cudabuild progress and summary"
@@ -123,6 +134,7 @@ class CudabuildReporter(ConsoleReporter):
         if outstream in (sys.stdout, sys.__stdout__):  # doit's default: the terminal, also during stage logs
             self.outstream = terminal.out()
         self.progress = LiveProgress(self.outstream) if live_terminal(self.outstream) else PlainProgress(self.outstream)
+        interrupt.before_exit(self.progress.stop)
 
     def write(self, text):
         self.outstream.write(text)
@@ -150,6 +162,8 @@ class CudabuildReporter(ConsoleReporter):
         self.write(f"cudabuild: error: [{_stage_id(task.name)}] {message.strip()}\n")
 
     def complete_run(self):
+        if interrupt.interrupted():  # doit's runner unwound from Ctrl-C: one line, and exit
+            interrupt.finish()
         self.progress.close()
         if self.runtime_errors:
             for msg in self.runtime_errors:
@@ -168,15 +182,18 @@ def failure_lines(log: Optional[Path], cwd: Optional[Path] = None) -> str:
     return f"\n  log: {shown}" + "".join(f"\n  | {line}" for line in tail)
 
 
-def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None) -> None:
+def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None, shown: Optional[dict] = None) -> None:
+    """The build's summary. `shown`: how to show an option's value where it needs words
+    (`layers=0 (every layer)`); the manifest's value otherwise."""
     out = out or terminal.out()
+    shown = shown or {}
     rows = manifest["stages"]
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "remote", "cached")}
     saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in rows if r["status"] != "ran")
     out.write(f"\n{manifest['model']} / {manifest['target']}\n")
     options = {k: v for k, v in (manifest.get("options") or {}).items() if v != ""}
     if options:  # the values the build used, defaults and what the checkpoint implied included
-        out.write("  options: " + ", ".join(f"{k}={v}" for k, v in options.items()) + "\n")
+        out.write("  options: " + ", ".join(f"{k}={shown.get(k, v)}" for k, v in options.items()) + "\n")
     width = max([10] + [len(r["stage"]) + 2 for r in rows])  # a stage kind with a long name keeps its column
     out.write(f"  {'stage':<{width}}{'method':<12}{'status':<10}{'seconds':>9}\n")
     for r in rows:
@@ -185,7 +202,10 @@ def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None) -> 
         f"  ran {counts['ran']}, restored {counts['restored']}, "
         + (f"from remote {counts['remote']}, " if counts["remote"] else "")
         + f"cached {counts['cached']}; "
-        f"{elapsed:.1f}s total, {saved:.1f}s saved by the cache\n"
+        f"{elapsed:.1f}s total"
+        # What the served stages took when they ran, each on its own: stages that ran side by side
+        # add up to more than the wall time of the build that ran them.
+        + (f"; the cache saved {saved:.1f}s of stage time (the served stages' runs, added up)\n" if saved else "\n")
     )
     try:
         where = build_dir.relative_to(Path.cwd())

@@ -4,7 +4,9 @@ That is the format Bazel's `--profile` writes; Perfetto (ui.perfetto.dev) and ch
 open it. A build has one span from the process's start to its manifest, a `startup` span (imports,
 configuration, planning), one span per stage (its up-to-date check and, if it ran, its run) with
 the stage's status and key, nested spans for the phases that cost time (load, autotune, C++
-compile, store writes, uploads) and a `manifest` span.
+compile, store writes, uploads), a span of category `wait` for each thing a stage waits for (its
+memory admission, the device's lock, the key's lock, a lease, a warm process; see
+cudabuild.engine.runner's WAITS) and a `manifest` span.
 
 Spans are recorded where they happen, which under `doit -n N` is several processes: each appends
 complete events to `build/<model>/<target>/.trace/<pid>.jsonl`, and the manifest task merges this
@@ -185,9 +187,23 @@ def recording() -> Optional[Recorder]:
 def phase(name: str, min_seconds: float = 0.0, **args) -> Iterator[dict]:
     """A span inside whatever stage is being recorded in this context (a no-op outside one); not
     recorded when it took less than `min_seconds` (inductor selects most GEMMs without tuning)."""
+    with _span(name, "phase", min_seconds, args) as extra:
+        yield extra
+
+
+@contextlib.contextmanager
+def wait(name: str, min_seconds: float = 0.0, **args) -> Iterator[dict]:
+    """A wait inside the stage being recorded (a lock, a lease, a process to take a call): a span of
+    category "wait", so a trace says where a stage stood still, and for what."""
+    with _span(name, "wait", min_seconds, args) as extra:
+        yield extra
+
+
+@contextlib.contextmanager
+def _span(name: str, category: str, min_seconds: float, args: dict) -> Iterator[dict]:
     recorder = _current.get()
     if recorder is None:
         yield {}
         return
-    with recorder.span(name, min_seconds=min_seconds, **args) as extra:
+    with recorder.span(name, category, min_seconds=min_seconds, **args) as extra:
         yield extra
