@@ -205,7 +205,11 @@ def main() -> None:
     stamps = stamps_of(project)
     from cudabuild.models import qwen35_moe
 
-    options = qwen35_moe.resolve(dict(qwen35_moe.OPTIONS, size="35b-a3b", layers=args.layers))
+    from cudabuild.options import defaults
+    from cudabuild.registry import load_recipe
+
+    stock = defaults(load_recipe(project, "qwen_moe").options, "cuda")
+    options = qwen35_moe.resolve(dict(stock, size="35b-a3b", layers=args.layers), stock)
     # The emulate_precision_casts=ON build (compiles only) runs in a copy of the project beside the analysis.
     on_project = None
     if "on" in args.cases:
