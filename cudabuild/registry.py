@@ -21,7 +21,7 @@ from cudabuild.errors import RecipeError, UnknownModel
 from cudabuild.engine.hashing import FileHasher, code_digest, digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
-DESCRIPTION_VERSION = 3
+DESCRIPTION_VERSION = 4
 
 
 def recipes_dir(project: Path) -> Path:
@@ -163,6 +163,7 @@ def describe(project: Path, model: str, store, target: str) -> dict:
                      for m in recipe.methods if m.sampler is not None},
         "strict_export": recipe.strict_export,
         "lowering": recipe.lowering.as_data() if recipe.lowering else None,
+        "weights_options": list(recipe.weights_options),
     }
     store.put_json(memo_key, description)
     return description

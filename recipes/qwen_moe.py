@@ -21,7 +21,8 @@ form, tests/test_qwen_moe_hf.py), and tests/test_qwen35_moe.py loads one checkpo
 and checks that the CPU form computes the CUDA form's logits (GPU: tests/gpu).
 
 Options: `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b: bf16,
-random weights from seed 0); `layers` > 0 keeps only the first layers; `checkpoint` loads a Hugging
+random weights from `seed`, default 0: another seed is new weights for the same code, which
+compiles nothing); `layers` > 0 keeps only the first layers; `checkpoint` loads a Hugging
 Face directory instead (its config.json sets the shapes and dtype). `max_seq_len` (the KV cache's
 length, and the longest prefill + 1) and `chunk` (the delta rule's prefill chunk) left at 0 come
 from the checkpoint (its max_position_embeddings, capped at MAX_SEQ_LEN_CAP; chunk CHECKPOINT_CHUNK)
@@ -83,7 +84,7 @@ def build(options) -> qwen_moe.Transformer:
             options["checkpoint"], max_seq_len=options["max_seq_len"], chunk=options["chunk"], n_layers=options["layers"]
         )
     sized = replace(qwen_moe.SIZES[options["size"]], max_seq_len=options["max_seq_len"], chunk=options["chunk"])
-    return qwen_moe.build(sized.with_layers(options["layers"]), seed=0)
+    return qwen_moe.build(sized.with_layers(options["layers"]), seed=options["seed"])
 
 
 def decode_inputs(model):
@@ -129,6 +130,7 @@ CUDA = Recipe(
     },
     constant_methods=qwen35_moe.metadata,
     strict_export=True,
+    weights_options=("seed",),
     lowering=Lowering(skip_dim_order=True, do_quant_fusion_and_const_prop=True, alloc_graph_input=False,
                       emit_mutable_buffer_names=True),
 )
@@ -139,10 +141,11 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options={"size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0},
+    options={"size": "tiny", "layers": 0, "seed": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0},
     choices={"size": tuple(qwen_moe.SIZES)},
     resolve=resolve,
     specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
     constant_methods=metadata,
     targets={"cuda": CUDA},
+    weights_options=("seed",),
 )

@@ -3,8 +3,10 @@
     doit export model=tiny_lm               # target=auto: cuda when a GPU is present, else cpu
     doit export model=tiny_lm target=cpu max_autotune=ON
 
-The model (cudabuild/models/tiny_lm.py) gets random weights from a fixed seed (option `seed`).
-Two methods: `decode` (one token) and `prefill` (T tokens, T symbolic).
+The model (cudabuild/models/tiny_lm.py) gets random weights from a fixed seed (option `seed`;
+another seed is new weights for the same code: `doit export model=tiny_lm seed=1` writes a new
+weights blob and compiles nothing). Two methods: `decode` (one token) and `prefill` (T tokens,
+T symbolic). `layers` (default 2) is the number of decoder blocks: another is other code.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from cudabuild.recipe import Method, Recipe
 
 def build(options) -> TinyLM:
     torch.manual_seed(options["seed"])
-    return TinyLM(TinyConfig()).eval()
+    return TinyLM(TinyConfig(n_layers=options["layers"])).eval()
 
 
 def decode_inputs(model: TinyLM):
@@ -49,7 +51,8 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options={"seed": 0},
+    options={"seed": 0, "layers": 2},
+    weights_options=("seed",),
     specs={
         # Tuning by benchmark buys nothing for a model this small on a CPU; keep builds quick.
         "cpu": {"max_autotune": "OFF"},

@@ -14,8 +14,9 @@ from cudabuild.cli import COMMANDS, main
 
 
 def run(args: list[str], tmp_path: Path, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    # The code under test (REPO's cudabuild, as its recipes expect), not whichever is installed.
     env = {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
-           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path)}
+           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
     return subprocess.run((program or [sys.executable, "-m", "cudabuild"]) + args, env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
 
