@@ -6,6 +6,8 @@
 #   tinycold  bench/cuda_target.py cold,keepkernels,stock with them off: the same figures the old way
 #   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
 #   qwenwarm  the same with warm processes on
+#   weights   bench/new_weights.py tiny_lm: another seed against a cold build of it (issue 46)
+#   qwenweights  the same for qwen_moe tiny (its quantize stage reruns, by design)
 #   tests     the GPU tests of the cuda target
 #   driver    which warm imports map or initialise the CUDA driver (bench/gpu/driver_probe.py)
 # BUDGET (seconds, default 540) bounds the cases' own budgets; the call's limit is 600 s.
@@ -33,6 +35,8 @@ for case in "$@"; do
     tinycold) CUDABUILD_WARM=0 python3 bench/cuda_target.py --cases cold,keepkernels,stock --budget "$left" --out "$dir/r" ;;
     qwen)     python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     qwenwarm) CUDABUILD_WARM=1 python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
+    weights)  timeout "$left" python3 bench/new_weights.py --target cuda --models tiny_lm --no-shared --out "$dir/r" ;;
+    qwenweights) timeout "$left" python3 bench/new_weights.py --target cuda --models qwen_moe --no-shared --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
     driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;
     *)        echo "session: unknown case $case"; continue ;;
@@ -40,6 +44,7 @@ for case in "$@"; do
   echo "$case: rc=$? after $(( $(date +%s) - started )) s" | tee -a "$OUT/cases.txt"
   [ -f "$dir/r/cuda_target.json" ] && cp "$dir/r/cuda_target.json" "$OUT/$case.json"
   [ -f "$dir/r/qwen_moe_cuda.json" ] && cp "$dir/r/qwen_moe_cuda.json" "$OUT/$case.json"
+  [ -f "$dir/r/new_weights.json" ] && cp "$dir/r/new_weights.json" "$OUT/$case.json"
   grep -h "CPU ISA probe\|warm:" "$dir"/r/logs-*/*.log /tmp/cudabuild-warm-*/*.log 2>/dev/null | sort | uniq -c > "$dir/probes.txt"
   mkdir -p "$dir/warm" && cp /tmp/cudabuild-warm-*/*.log "$dir/warm/" 2>/dev/null
   tar -C "$OUT" -czf "$OUT/$case.tgz" "$case" && rm -rf "$dir"
