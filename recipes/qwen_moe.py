@@ -22,7 +22,8 @@ and checks that the CPU form computes the CUDA form's logits (GPU: tests/gpu).
 
 Options (one table, OPTIONS, for both forms: each option's type, range or choices and the targets
 it applies to): `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b:
-bf16, random weights from seed 0); `layers` > 0 keeps only the first layers (0: every layer);
+bf16, random weights from `seed`: another seed is new weights for the same code, which
+compiles nothing); `layers` > 0 keeps only the first layers (0: every layer);
 `checkpoint` loads a Hugging Face directory instead (its config.json sets the shapes and dtype;
 it and the tensors it implies are checked before any stage runs). `max_seq_len` (the KV cache's
 length, and the longest prefill + 1) and `chunk` (the delta rule's prefill chunk) left at 0 come
@@ -61,7 +62,7 @@ OPTIONS = (
     Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
     Option("checkpoint", "", folder=True, help="a Hugging Face checkpoint folder"),
     Option("prequantized", "", folder=True, targets=CUDA, help="a bundle of ExecuTorch's quantize_and_save.py"),
-    Option("seed", 42, minimum=0, targets=CUDA, help="the random weights' seed (the stock --tiny-test's)"),
+    Option("seed", 42, minimum=0, help="the random weights' seed (the stock --tiny-test's; another is new weights for the same code)"),
     Option("max_seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN, meaning={0: "from the checkpoint or the size"},
            help=f"the KV cache's length (and the longest prefill + 1): 0, or {MIN_SEQ_LEN} and more"),
     Option("chunk", 0, minimum=0, targets=CPU, meaning={0: "from the checkpoint or the size"},
@@ -120,7 +121,7 @@ def build(options) -> qwen_moe.Transformer:
             options["checkpoint"], max_seq_len=options["max_seq_len"], chunk=options["chunk"], n_layers=options["layers"]
         )
     sized = replace(qwen_moe.SIZES[options["size"]], max_seq_len=options["max_seq_len"], chunk=options["chunk"])
-    return qwen_moe.build(sized.with_layers(options["layers"]), seed=0)
+    return qwen_moe.build(sized.with_layers(options["layers"]), seed=options["seed"])
 
 
 def decode_inputs(model):
@@ -165,6 +166,7 @@ CUDA = Recipe(
     },
     constant_methods=qwen35_moe.metadata,
     strict_export=True,
+    weights_options=("seed",),
     lowering=Lowering(skip_dim_order=True, do_quant_fusion_and_const_prop=True, alloc_graph_input=False,
                       emit_mutable_buffer_names=True),
 )
@@ -180,4 +182,5 @@ RECIPE = Recipe(
     specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
     constant_methods=metadata,
     targets={"cuda": CUDA},
+    weights_options=("seed",),
 )

@@ -37,7 +37,7 @@ def problems(store, **cli) -> list[str]:
 def test_every_problem_is_reported_at_once_one_line_each(store):
     found = problems(store, model="tiny_lm", target="cpu", sizee="1", max_autotune="MAYBE")
     assert len(found) == 2 and all("\n" not in p for p in found)
-    assert found[0].startswith("unknown setting 'sizee' for model tiny_lm; recipe options: seed;")
+    assert found[0].startswith("unknown setting 'sizee' for model tiny_lm; recipe options: layers, seed;")
     assert found[1] == "invalid value max_autotune=MAYBE (command line); expected ON or OFF"
 
 
@@ -72,7 +72,7 @@ def test_what_resolve_refuses_comes_with_the_options_problems(store):
 
 def test_qwen_moe_lengths_come_from_the_size_and_are_in_the_options(store):
     assert dict(load_config(REPO, {"model": "qwen_moe", "target": "cpu"}, store).options) == {
-        "size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 128, "chunk": 8}
+        "size": "tiny", "layers": 0, "seed": 0, "checkpoint": "", "max_seq_len": 128, "chunk": 8}
     sized = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "size": "35b-a3b", "layers": "2"}, store).options
     assert (sized["max_seq_len"], sized["chunk"]) == (4096, 64)
     asked = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "max_seq_len": "256", "chunk": "16"}, store).options
@@ -127,7 +127,7 @@ def test_resolved_options_are_memoised_so_a_second_load_imports_no_torch(tmp_pat
             for _ in range(2)]
     outputs = [r.stdout.strip() for r in runs]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    expected = "[('checkpoint', ''), ('chunk', 8), ('layers', 2), ('max_seq_len', 128), ('size', 'tiny')]"
+    expected = "[('checkpoint', ''), ('chunk', 8), ('layers', 2), ('max_seq_len', 128), ('seed', 0), ('size', 'tiny')]"
     assert outputs == [f"{expected} True", f"{expected} False"]
 
 

@@ -246,7 +246,7 @@ def test_chunked_delta_rule_matches_the_recurrence():
 
 
 def test_state_buffers_start_zero_and_update_in_place(recipe):
-    model = recipe.build({"size": "tiny", "layers": 2, "checkpoint": ""})
+    model = recipe.build({"size": "tiny", "layers": 2, "seed": 0, "checkpoint": ""})
     names = model.state_buffer_names()
     assert "layers.1.attn.kv_cache.k" in names and "layers.1.attn.kv_cache.v" in names
     assert "layers.0.attn.conv_state" in names and "layers.0.attn.recurrent_state" in names
@@ -263,7 +263,7 @@ def test_state_buffers_start_zero_and_update_in_place(recipe):
 
 
 def test_recipe_resolves_max_seq_len_and_chunk_from_the_size(recipe):
-    base = {"size": "tiny", "layers": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0}
+    base = {"size": "tiny", "layers": 0, "seed": 0, "checkpoint": "", "max_seq_len": 0, "chunk": 0}
     assert recipe.resolve(base) == {**base, "max_seq_len": 128, "chunk": 8}
     assert recipe.resolve({**base, "size": "35b-a3b"}) == {**base, "size": "35b-a3b", "max_seq_len": 4096, "chunk": 64}
     assert recipe.resolve({**base, "max_seq_len": 64, "chunk": 16}) == {**base, "max_seq_len": 64, "chunk": 16}
@@ -275,9 +275,9 @@ def test_recipe_resolves_max_seq_len_and_chunk_from_the_size(recipe):
 
 
 def test_recipe_cuts_depth_and_rejects_unknown_sizes(recipe):
-    assert recipe.build({"size": "tiny", "layers": 1, "checkpoint": ""}).args.n_layers == 1
+    assert recipe.build({"size": "tiny", "layers": 1, "seed": 0, "checkpoint": ""}).args.n_layers == 1
     with pytest.raises(InvalidOption, match="unknown size 'huge'"):
-        recipe.build({"size": "huge", "layers": 0, "checkpoint": ""})
+        recipe.build({"size": "huge", "layers": 0, "seed": 0, "checkpoint": ""})
 
 
 def test_constant_methods_are_runner_metadata(recipe, model):
@@ -335,7 +335,7 @@ def exported(recipe, model):
 
 def test_export_keeps_the_kv_caches_zero(recipe):
     # ExecuTorch's low-memory CUDA path frees buffers named *kv_cache* only if they are all zero.
-    model = recipe.build({"size": "tiny", "layers": 2, "checkpoint": ""})
+    model = recipe.build({"size": "tiny", "layers": 2, "seed": 0, "checkpoint": ""})
     method = recipe.methods[0]
     ep = torch.export.export(model, method.inputs(model), strict=False)
     caches = {n: t for n, t in {**ep.state_dict, **ep.constants}.items() if "kv_cache" in n}
