@@ -72,7 +72,7 @@ def test_what_resolve_refuses_comes_with_the_options_problems(store):
 
 def test_qwen_moe_lengths_come_from_the_size_and_are_in_the_options(store):
     assert dict(load_config(REPO, {"model": "qwen_moe", "target": "cpu"}, store).options) == {
-        "size": "tiny", "layers": 0, "seed": 0, "checkpoint": "", "max_seq_len": 128, "chunk": 8}
+        "size": "tiny", "layers": 0, "seed": 42, "checkpoint": "", "max_seq_len": 128, "chunk": 8}
     sized = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "size": "35b-a3b", "layers": "2"}, store).options
     assert (sized["max_seq_len"], sized["chunk"]) == (4096, 64)
     asked = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "max_seq_len": "256", "chunk": "16"}, store).options
@@ -127,7 +127,7 @@ def test_resolved_options_are_memoised_so_a_second_load_imports_no_torch(tmp_pat
             for _ in range(2)]
     outputs = [r.stdout.strip() for r in runs]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    expected = "[('checkpoint', ''), ('chunk', 8), ('layers', 2), ('max_seq_len', 128), ('seed', 0), ('size', 'tiny')]"
+    expected = "[('checkpoint', ''), ('chunk', 8), ('layers', 2), ('max_seq_len', 128), ('seed', 42), ('size', 'tiny')]"
     assert outputs == [f"{expected} True", f"{expected} False"]
 
 
@@ -221,7 +221,7 @@ BAD_INPUT = [
     ("option-choice", ["model=qwen_moe", "size=huge"], "qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)"),
     ("option-target", ["model=qwen_moe", "target=cuda", "chunk=8"],
      "qwen_moe option chunk=8 applies to target cpu only, not cuda; drop it for target=cuda"),
-    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; recipe options: seed; specs: "
+    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; recipe options: layers, seed; specs: "
      "autotune_at_compile_time, autotune_pointwise, compile_wrapper_opt_level, coordinate_descent_tuning, "
      "emulate_precision_casts, low_memory_mode, max_autotune, platform, shim_library_path, triton_kernel_mode (or METHOD.SPEC)"),
     ("resolve", ["model=qwen_moe", "max_seq_len=3"],
