@@ -204,7 +204,7 @@ PIPELINE = Pipeline(
                   params=_package, final_outputs=True),
         # After compile and package in the table, so that a free worker takes it only once nothing
         # on the way to the package is waiting: it is off that chain.
-        StageKind("reference", version=2, per_method=True, module=STAGES + "reference",
+        StageKind("reference", version=3, per_method=True, module=STAGES + "reference",
                   consumes=("probe", "quantize", "export[m]"), results={"graph": "export[m]", "weights": "quantize"},
                   params=_reference, applies=_reference_apart, device=_accelerator),
         StageKind("verify", version=4, per_method=True, module=STAGES + "verify",

@@ -78,7 +78,7 @@ class Quantize:
     on_device: bool = True
     # An fp32 truth of the quantized model, for verify on a device (the reference stage calls it):
     # `truth(options, folder, prepare, steps, device, eager)` -> {"truth": {"logits", "states"},
-    # "envelope": {"states", "gaps"}, "runs"}: the method's verify steps in fp32 on the same weights,
+    # "envelope": {"states", "gaps", "deviations"}, "runs"}: the method's verify steps in fp32 on the same weights,
     # and the largest distance from them of bf16 runs (`eager`, the eager program's own, among
     # them). Where given, verify asks the compiled program to be about as close to the truth as
     # bf16 is (cudabuild.backend.sampled_logits) instead of close to the bf16 eager run itself.

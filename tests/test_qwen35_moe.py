@@ -294,6 +294,7 @@ def test_the_fp32_truth_computes_prefill_and_token_by_token_decode_alike(bundle)
     assert at_once["runs"] == 1 + fp32.NOISY_RUNS
     assert sorted(at_once["envelope"]["states"]) == sorted(at_once["truth"]["states"])
     assert min(at_once["envelope"]["states"].values()) > 1e-5  # bf16 strays further than fp32's own rounding
+    assert len(at_once["envelope"]["deviations"]) == 1 and at_once["envelope"]["deviations"][0] > 1e-5
 
 
 def test_verify_judges_by_the_truth_where_there_is_one():
@@ -316,6 +317,24 @@ def test_verify_judges_by_the_truth_where_there_is_one():
     # Without a truth, the same compiled state is judged against the eager run, as before.
     assert not sampled_logits.judge(eager, [torch.tensor([[2]])], {"s": eager_state}, {"s": torch.full((4, 8), -0.6)},
                                     0.05)["passed"]
+
+
+def test_a_token_is_allowed_what_bf16s_logit_deviation_allows():
+    """Flat logits: the bf16 runs all chose near the best (gap 0.1), but their logits strayed up to
+    0.4 from the truth's, so a program that close may pick a token up to 0.8 below the best
+    (2 x 0.4); 0.9 below is further than any logits that close can choose."""
+    logits = torch.tensor([3.0, 2.25, 2.1, -1.0])
+    truth = {"truth": {"logits": [logits], "states": {}},
+             "envelope": {"states": {}, "gaps": [0.1], "deviations": [0.4]}}
+    eager = [(torch.tensor([[0]]), logits)]
+    within = sampled_logits.judge(eager, [torch.tensor([[1]])], {}, {}, 0.005, truth=truth)
+    assert within["passed"] and within["steps"][0]["allowed"] == pytest.approx(0.8)
+    assert within["steps"][0]["bf16_logit_deviation"] == pytest.approx(0.4)
+    beyond = sampled_logits.judge(eager, [torch.tensor([[2]])], {}, {}, 0.005, truth=truth)
+    assert not beyond["passed"] and beyond["steps"][0]["truth_gap"] == pytest.approx(0.9)
+    # Without the deviations (a truth stored before them), only the picks' spread counts.
+    del truth["envelope"]["deviations"]
+    assert not sampled_logits.judge(eager, [torch.tensor([[1]])], {}, {}, 0.005, truth=truth)["passed"]
 
 
 def test_an_eager_reference_far_outside_bf16s_spread_is_called_wrong_not_the_compiled_code():
