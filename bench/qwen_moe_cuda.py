@@ -138,13 +138,20 @@ def _small(value):
 
 # -- the stock exporter ---------------------------------------------------------------------------
 
-def stock_exporter(low_memory: bool) -> Path:
-    """ExecuTorch's export.py, copied, with low_memory_mode as asked (it is ON in the file)."""
+def stock_exporter(low_memory: bool, real_layers: int = 0) -> Path:
+    """ExecuTorch's export.py, copied, with low_memory_mode as asked (it is ON in the file); with
+    `real_layers`, its --tiny-test model swapped for the real 35B-A3B config cut to that many layers
+    (quantize included: it draws and quantizes that model as it would the tiny one)."""
     import executorch.examples.models.qwen3_5_moe.export as stock
 
     text = Path(stock.__file__).read_text()
     value = b"ON" if low_memory else b"OFF"
     patched = text.replace('CompileSpec("low_memory_mode", b"ON")', f'CompileSpec("low_memory_mode", {value!r})')
+    if real_layers:
+        start = patched.index("tiny_config = Qwen35MoEConfig(")
+        end = patched.index("use_splitk_decode=use_splitk,", start)
+        real = f"tiny_config = Qwen35MoEConfig(num_hidden_layers={real_layers}, max_seq_len=4096, "
+        patched = patched[:start] + real + patched[end:]
     path = Path(tempfile.mkdtemp(prefix="stock-export-")) / "stock_export.py"
     path.write_text(patched)
     return path

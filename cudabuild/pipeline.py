@@ -1,9 +1,16 @@
 """The CUDA lowering pipeline as data: the table of stage kinds the engine builds.
 
-    probe ─┬─> [quantize] ─> export[m] ─┬─> edge[m] ─> compile[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
-           │                            │                          └─> verify[m]
-           │                            └─> [reference[m]] ────────────────┘
-           └────────────────────────(toolchain)─────────────────┘
+    probe ─┬─> [quantize] ─> export[m] ─┬─(code)─> edge[m] ─> compile[m] ─┐
+           │                            ├──────(weights)──────────────> blob[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
+           │                            │                                        └─> verify[m]
+           │                            └─> [reference[m]] ──────────────────────────────┘
+           └────────────────────────(toolchain)───────────────────────┘
+
+Edge and compile follow the exported program's *code* (its graph and its tensors' names, dtypes,
+shapes and strides: export's `code` facet), not its weights' values, so new weights for the same
+model lower and compile nothing; `blob` follows the weights, and writes their weights blob for the
+compiled code (cudabuild.backend.stages.blob). A recipe's `weights_options` (a seed) are the
+options explain knows to change the weights alone (`values_only`).
 
 `quantize` is in a build only when the recipe's form for the target declares one (ExecuTorch's
 Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports. `reference` (the
@@ -70,6 +77,11 @@ def _quantize_device(config, method) -> str | None:
     return config.target if declared.get("on_device") and config.target != "cpu" else None
 
 
+def _weights_options(config) -> set[tuple[str, ...]]:
+    """The options that change nothing but the weights' values (the recipe's `weights_options`)."""
+    return {("options", name) for name in config.description.get("weights_options") or ()}
+
+
 def _export(ctx: KeyContext) -> dict:
     config = ctx.config
     return {
@@ -103,6 +115,12 @@ def _compile(ctx: KeyContext) -> dict:
         # Pinned tuning decisions dictate the kernels: a different pin is a different compile.
         "autotune_pin": pinned_digest(config.project, config.model, config.target, ctx.method),
     }
+
+
+def _blob(ctx: KeyContext) -> dict:
+    # Reading tensors from the store and writing their bytes; on a refusal, the compile's own
+    # inputs (its key: specs, toolchain) decide what is compiled.
+    return {"toolchain": _toolchain(ctx, "torch")}
 
 
 def _package(ctx: KeyContext) -> dict:
@@ -166,25 +184,32 @@ PIPELINE = Pipeline(
         StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
                   predict_value=toolchain.predict_probe_value, device=_accelerator),
         StageKind("quantize", version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
-                  params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False),
-        StageKind("export", version=3, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
-                  results={"weights": "quantize"}, params=_export, memory_from_upstream=False),
-        StageKind("edge", version=4, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
-                  results={"graph": "export[m]"}, params=_edge, explains_graph=True),
-        StageKind("compile", version=1, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
+                  params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False,
+                  values_only=_weights_options),
+        StageKind("export", version=4, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
+                  results={"weights": "quantize"}, params=_export, memory_from_upstream=False,
+                  values_only=_weights_options),
+        StageKind("edge", version=5, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
+                  results={"graph": "export[m]:code"}, params=_edge, explains_graph=True),
+        StageKind("compile", version=2, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
                   results={"graph": "edge[m]"}, params=_compile, explains_graph=True, runs_alone=_compile_alone,
                   device=_accelerator),
-        StageKind("package", version=3, per_method=False, module=STAGES + "package",
-                  consumes=("probe", "export[*]", "compile[*]"), results={"graph": "export[*]", "compiled": "compile[*]"},
+        # On cuda it may have to compile (a constant table it cannot trust): it claims the device.
+        StageKind("blob", version=1, per_method=True, module=STAGES + "blob",
+                  consumes=("probe", "export[m]", "edge[m]", "compile[m]"),
+                  results={"weights": "export[m]", "code": "edge[m]", "compiled": "compile[m]"}, params=_blob,
+                  device=_accelerator),
+        StageKind("package", version=4, per_method=False, module=STAGES + "package",
+                  consumes=("probe", "export[*]", "blob[*]"), results={"graph": "export[*]", "compiled": "blob[*]"},
                   params=_package, final_outputs=True),
         # After compile and package in the table, so that a free worker takes it only once nothing
         # on the way to the package is waiting: it is off that chain.
         StageKind("reference", version=2, per_method=True, module=STAGES + "reference",
                   consumes=("probe", "quantize", "export[m]"), results={"graph": "export[m]", "weights": "quantize"},
                   params=_reference, applies=_reference_apart, device=_accelerator),
-        StageKind("verify", version=2, per_method=True, module=STAGES + "verify",
-                  consumes=("probe", "export[m]", "edge[m]", "compile[m]", "package", "reference[m]"),
-                  results={"graph": "export[m]", "compiled": "compile[m]", "reference": "reference[m]"}, params=_verify,
+        StageKind("verify", version=4, per_method=True, module=STAGES + "verify",
+                  consumes=("probe", "export[m]", "edge[m]", "blob[m]", "package", "reference[m]"),
+                  results={"graph": "export[m]", "compiled": "blob[m]", "reference": "reference[m]"}, params=_verify,
                   device=_accelerator),
     ],
     fingerprint=toolchain.cheap_fingerprint,

@@ -142,6 +142,9 @@ class Recipe:
     lowering: Optional[Lowering] = None
     # The form of this model for other targets: {"cuda": Recipe(...)}.
     targets: Mapping[str, "Recipe"] = field(default_factory=dict)
+    # Options that change the weights' values and nothing else (a seed): `cudabuild explain`
+    # forecasts that changing one keeps the lowered and compiled code (the build checks it anyway).
+    weights_options: tuple[str, ...] = ()
 
     def for_target(self, target: str) -> "Recipe":
         return self.targets.get(target, self)

@@ -166,6 +166,7 @@ def describe(project: Path, model: str, store, target: str) -> dict:
                      for m in recipe.methods if m.sampler is not None},
         "strict_export": recipe.strict_export,
         "lowering": recipe.lowering.as_data() if recipe.lowering else None,
+        "weights_options": list(recipe.weights_options),
     }
     store.put_json(memo_key, description)
     return description

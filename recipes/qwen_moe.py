@@ -44,7 +44,7 @@ OPTIONS = (
     Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
     Option("checkpoint", "", folder=True, help="a Hugging Face checkpoint folder"),
     Option("prequantized", "", folder=True, targets=CUDA, help="a bundle of ExecuTorch's quantize_and_save.py"),
-    Option("seed", 42, minimum=0, help="the random weights' seed (the stock --tiny-test's)"),
+    Option("seed", 42, minimum=0, help="the random weights' seed (the stock --tiny-test's; another is new weights for the same code)"),
     Option("max_seq_len", 0, minimum=0, maximum=262_144, meaning={0: "from the checkpoint or the size"},
            help=f"the KV cache's length (and the longest prefill + 1): 0, or {qwen35_moe.MIN_SEQ_LEN} and more"),
     Option("chunk", 0, minimum=0, targets=CPU, meaning={0: "from the checkpoint or the size"},
@@ -83,6 +83,7 @@ CUDA = Recipe(
     },
     constant_methods=qwen35_moe.metadata,
     strict_export=True,
+    weights_options=("seed",),
     lowering=Lowering(skip_dim_order=True, do_quant_fusion_and_const_prop=True, alloc_graph_input=False,
                       emit_mutable_buffer_names=True),
 )
@@ -98,4 +99,5 @@ RECIPE = Recipe(
     specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
     constant_methods=qwen35_moe.metadata,
     targets={"cuda": CUDA},
+    weights_options=("seed",),
 )

@@ -3,8 +3,10 @@
     doit export model=tiny_lm               # target=auto: cuda when a GPU is present, else cpu
     doit export model=tiny_lm target=cpu max_autotune=ON
 
-The model (cudabuild/models/tiny_lm.py) gets random weights from a fixed seed (option `seed`).
-Two methods: `decode` (one token) and `prefill` (T tokens, T symbolic).
+The model (cudabuild/models/tiny_lm.py) gets random weights from a fixed seed (option `seed`;
+another seed is new weights for the same code: `doit export model=tiny_lm seed=1` writes a new
+weights blob and compiles nothing). Two methods: `decode` (one token) and `prefill` (T tokens,
+T symbolic). `layers` (default 2) is the number of decoder blocks: another is other code.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from cudabuild.recipe import Method, Recipe
 
 def build(options) -> TinyLM:
     torch.manual_seed(options["seed"])
-    return TinyLM(TinyConfig()).eval()
+    return TinyLM(TinyConfig(n_layers=options["layers"])).eval()
 
 
 def decode_inputs(model: TinyLM):
@@ -50,7 +52,9 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options=(Option("seed", 0, minimum=0, help="the random weights' seed"),),
+    options=(Option("seed", 0, minimum=0, help="the random weights' seed: another is new weights for the same code"),
+             Option("layers", 2, minimum=1, help="decoder blocks: another count is other code")),
+    weights_options=("seed",),
     specs={
         # Tuning by benchmark buys nothing for a model this small on a CPU; keep builds quick.
         "cpu": {"max_autotune": "OFF"},

@@ -116,7 +116,7 @@ def broken_recipe_text(project: Project) -> str:
     return text.replace("def build(options) -> TinyLM:",
                         "class BrokenLM(TinyLM):\n    def forward(self, tokens, input_pos):\n        if tokens.sum() > 0:\n"
                         "            tokens = tokens + 0\n        return super().forward(tokens, input_pos)\n\n\n"
-                        "def build(options) -> TinyLM:").replace("return TinyLM(TinyConfig())", "return BrokenLM(TinyConfig())")
+                        "def build(options) -> TinyLM:").replace("return TinyLM(TinyConfig(", "return BrokenLM(TinyConfig(")
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from conftest import assert_ok, broken_recipe_text
 pytestmark = pytest.mark.slow
 
 STAGES = ["probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
-          "compile.prefill", "package", "verify.decode", "verify.prefill"]
+          "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
 
 
 def sha(path) -> str:
@@ -118,7 +118,7 @@ def test_one_method_spec_change_reruns_that_method_then_history_hits_both_ways(t
     assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu", "decode.emulate_precision_casts=OFF"))
     statuses = tiny_copy.statuses()
     ran = {k for k, s in statuses.items() if s == "ran"}
-    assert ran == {"compile.decode", "package", "verify.decode"}, statuses
+    assert ran == {"compile.decode", "blob.decode", "package", "verify.decode"}, statuses
     compile_row = next(s for s in tiny_copy.manifest()["stages"] if s["stage"] == "compile" and s["method"] == "decode")
     assert "emulate_precision_casts: ON -> OFF" in compile_row["reason"]
     changed = tiny_copy.manifest()["outputs"]

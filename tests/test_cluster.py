@@ -112,6 +112,7 @@ def test_resources_come_from_the_pipeline_table_and_the_command_line(built_tiny,
     on_cuda, on_cpu = Runner(cuda, store, "r"), Runner(cpu, store, "r")
     asked = {s.id: on_cuda.resources(s, {"stage": s.kind}) for s in cpu.pipeline.plan(cuda)}
     assert {s for s, r in asked.items() if r.get("GPU") == 1} == {"probe", "compile.decode", "compile.prefill",
+                                                                   "blob.decode", "blob.prefill",
                                                                    "reference.decode", "reference.prefill",
                                                                    "verify.decode", "verify.prefill"}
     # On cpu nothing asks a GPU; memory is the admission's estimate (here: the last run's peak).

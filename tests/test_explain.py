@@ -53,7 +53,9 @@ def test_reason_names_source_file_option_env_and_package_spec():
     assert reason(probe, changed(probe, fingerprint__packages={"triton": "3.7.1"})) == "toolchain triton: 3.6.0 -> 3.7.1"
     package = {"stage": "package", "methods": {"decode": {"specs": {"max_autotune": "OFF"}, "compiled": "c" * 64}}}
     assert reason(package, changed(package, methods__decode__specs={"max_autotune": "ON"})) == "spec decode.max_autotune: OFF -> ON"
-    assert reason(package, changed(package, methods__decode__compiled="d" * 64)).startswith("result of compile.decode changed")
+    assert reason(package, changed(package, methods__decode__compiled="d" * 64)).startswith("result of blob.decode changed")
+    blob = {"stage": "blob", "method": "decode", "weights": "e" * 64, "code": "g" * 64, "compiled": "c" * 64}
+    assert reason(blob, changed(blob, weights="f" * 64)) == "the weights of decode changed (eeeeeeeeeeee -> ffffffffffff)"
 
 
 def test_reason_names_autotune_pins_and_inputs_new_to_cudabuild():
@@ -125,7 +127,8 @@ def test_spec_override_names_the_spec_on_that_method_only(tmp_path_factory):
     assert said["compile.decode"] == "will run because spec max_autotune: OFF -> ON"
     assert said["compile.prefill"] == "up to date"
     assert said["package"].startswith("will run because spec decode.max_autotune: OFF -> ON")
-    assert said["verify.decode"] == "will run if compile.decode changes its result (early cutoff may stop it)"
+    assert said["blob.decode"] == "will run if compile.decode changes its result (early cutoff may stop it)"
+    assert said["verify.decode"] == "will run if blob.decode changes its result (early cutoff may stop it)"
     assert {said[s] for s in ("probe", "export.decode", "edge.decode", "verify.prefill")} == {"up to date"}
 
 
@@ -135,7 +138,7 @@ def test_toolchain_env_change_names_the_variable(tmp_path_factory):
     assert said["probe"] == "will run because toolchain env TORCHINDUCTOR_FOO: unset -> 1"
     assert said["compile.decode"] == said["compile.prefill"] == "will run because toolchain env TORCHINDUCTOR_FOO: unset -> 1"
     assert said["export.decode"] == said["edge.decode"] == "up to date"  # they key on torch/triton/executorch only
-    assert said["package"] == "will run if compile.decode or compile.prefill changes its result (early cutoff may stop it)"
+    assert said["package"] == "will run if blob.decode or blob.prefill changes its result (early cutoff may stop it)"
 
 
 @pytest.mark.slow
@@ -143,7 +146,7 @@ def test_wiped_build_is_restorable_from_cache(tmp_path_factory, tmp_path):
     clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
     shutil.rmtree(clone.root / "build")
     said = clone.explain()
-    assert len(said) == 10 and all(words.startswith("restorable from cache") for words in said.values()), said
+    assert len(said) == 12 and all(words.startswith("restorable from cache") for words in said.values()), said
 
 
 @pytest.mark.slow
@@ -157,7 +160,7 @@ def test_graph_change_names_the_first_differing_node_and_the_source(tmp_path_fac
     assert said["edge.decode"].startswith("will run because the exported graph of decode changed: first difference at node ")
     assert said["edge.decode"].endswith(": call_function aten.silu.default -> call_function aten.gelu.default")
     assert said["export.prefill"] == "will run because source cudabuild/models/tiny_lm.py changed"
-    assert said["edge.prefill"] == "will run if export.prefill changes its result (early cutoff may stop it)"
+    assert said["edge.prefill"] == "will run if export.prefill changes its code (early cutoff may stop it)"
 
 
 @pytest.mark.slow
@@ -174,4 +177,5 @@ def test_manifest_records_why_each_stage_ran(tmp_path_factory):
                for s in spec_build["stages"] if s["status"] == "ran"}
     key, value = SPEC_CHANGE.split("=")
     assert reasons["compile.decode"] == f"spec {key.split('.')[1]}: ON -> {value}"
-    assert reasons["package"].startswith("result of compile.decode changed")
+    assert reasons["blob.decode"].startswith("result of compile.decode changed")
+    assert reasons["package"].startswith("result of blob.decode changed")

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def stage_context(seed: int) -> SimpleNamespace:
     """What build_model reads of a stage's context: the build's config (tiny_lm, from this repo)
     and the stage's key inputs (no quantize stage's digest: tiny_lm builds its model itself)."""
-    config = BuildConfig(project=REPO, model="tiny_lm", target="cpu", options={"seed": seed},
+    config = BuildConfig(project=REPO, model="tiny_lm", target="cpu", options={"seed": seed, "layers": 2},
                          specs={}, description={})
     return SimpleNamespace(config=config, inputs={})
 

@@ -25,12 +25,13 @@ def _read(results: dict):
 def test_the_plan_and_dependencies_follow_the_table():
     assert [s.id for s in PIPELINE.plan(CONFIG)] == [
         "probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
-        "compile.prefill", "package", "verify.decode", "verify.prefill"]
+        "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
     deps = lambda stage: [d.id for d in PIPELINE.dependencies(stage, CONFIG)]
     assert deps(Stage("probe")) == []
     assert deps(Stage("compile", "prefill")) == ["probe", "edge.prefill"]
-    assert deps(Stage("package")) == ["probe", "export.decode", "export.prefill", "compile.decode", "compile.prefill"]
-    assert deps(Stage("verify", "decode")) == ["probe", "export.decode", "edge.decode", "compile.decode", "package"]
+    assert deps(Stage("blob", "prefill")) == ["probe", "export.prefill", "edge.prefill", "compile.prefill"]
+    assert deps(Stage("package")) == ["probe", "export.decode", "export.prefill", "blob.decode", "blob.prefill"]
+    assert deps(Stage("verify", "decode")) == ["probe", "export.decode", "edge.decode", "blob.decode", "package"]
     assert [PIPELINE.final_outputs(s) for s in (Stage("compile", "decode"), Stage("package"))] == [False, True]
 
 
@@ -40,16 +41,16 @@ def test_on_a_device_the_eager_reference_is_a_stage_beside_edge_and_compile():
     # After the compiles and the package in the plan (a free worker takes it once nothing on the
     # way to the package waits), and before the verifies that read it.
     assert plan[plan.index("compile.prefill") + 1:plan.index("verify.decode")] == [
-        "package", "reference.decode", "reference.prefill"]
+        "blob.decode", "blob.prefill", "package", "reference.decode", "reference.prefill"]
     deps = lambda stage, config: [d.id for d in PIPELINE.dependencies(stage, config)]
     assert deps(Stage("reference", "decode"), cuda) == ["probe", "export.decode"]
     assert deps(Stage("verify", "decode"), cuda)[-1] == "reference.decode"
     # Its key is the export's result: an edge or compile change leaves it as it was, and verify
     # keys on what it computed.
     results = {"probe": Result("p", {"torch": "2.11"}), "export.decode": Result("e1"), "edge.decode": Result("g1"),
-               "compile.decode": Result("c1"), "reference.decode": Result("r1")}
+               "compile.decode": Result("c1"), "blob.decode": Result("b1"), "reference.decode": Result("r1")}
     key = lambda stage, res: digest(PIPELINE.inputs(stage, cuda, _read(res), lambda: {}, lambda: None))
-    recompiled = dict(results, **{"edge.decode": Result("g2"), "compile.decode": Result("c2")})
+    recompiled = dict(results, **{"edge.decode": Result("g2"), "compile.decode": Result("c2"), "blob.decode": Result("b2")})
     assert key(Stage("reference", "decode"), recompiled) == key(Stage("reference", "decode"), results)
     assert key(Stage("reference", "decode"), dict(results, **{"export.decode": Result("e2")})) != key(
         Stage("reference", "decode"), results)
@@ -61,20 +62,42 @@ def test_on_a_device_the_eager_reference_is_a_stage_beside_edge_and_compile():
 
 def test_upstream_digests_enter_the_key_and_are_named_back():
     results = {"probe": Result("p", {"torch": "2.13"}), "export.decode": Result("e1"), "export.prefill": Result("e2"),
-               "edge.decode": Result("g1"), "compile.decode": Result("c1"), "compile.prefill": Result("c2")}
+               "edge.decode": Result("g1"), "compile.decode": Result("c1"), "compile.prefill": Result("c2"),
+               "blob.decode": Result("b1"), "blob.prefill": Result("b2")}
     compile_in = PIPELINE.inputs(Stage("compile", "decode"), CONFIG, _read(results), lambda: {}, lambda: None)
     assert compile_in["graph"] == "g1" and compile_in["version"] == PIPELINE.rows["compile"].version
     assert PIPELINE.upstream_of(("graph",), compile_in) == "edge.decode"
     package_in = PIPELINE.inputs(Stage("package"), CONFIG, _read(results), lambda: {}, lambda: None)
     # Upstream digests and the row's own params merge under methods.<m>.
-    assert package_in["methods"]["prefill"] == {"graph": "e2", "compiled": "c2", "specs": {"max_autotune": "OFF"}}
-    assert PIPELINE.upstream_of(("methods", "prefill", "compiled"), package_in) == "compile.prefill"
+    assert package_in["methods"]["prefill"] == {"graph": "e2", "compiled": "b2", "specs": {"max_autotune": "OFF"}}
+    assert PIPELINE.upstream_of(("methods", "prefill", "compiled"), package_in) == "blob.prefill"
     assert PIPELINE.upstream_of(("methods", "prefill", "specs"), package_in) is None
     # A different upstream result is a different key downstream (and only there).
     changed = dict(results, **{"edge.decode": Result("g1-new")})
     again = lambda stage, res: digest(PIPELINE.inputs(stage, CONFIG, _read(res), lambda: {}, lambda: None))
     assert again(Stage("compile", "decode"), changed) != again(Stage("compile", "decode"), results)
     assert again(Stage("compile", "prefill"), changed) == again(Stage("compile", "prefill"), results)
+
+
+def test_edge_and_compile_follow_the_exported_code_and_the_blob_its_weights():
+    """Export's result carries its code digest as a facet: edge keys on that, so new weights of the
+    same code (another content digest) keep edge's and compile's keys; the blob keys on the weights."""
+    code = {"facets": {"code": "k1"}}
+    results = {"probe": Result("p", {"torch": "2.13"}), "export.decode": Result("e1", code),
+               "edge.decode": Result("g1"), "compile.decode": Result("c1")}
+    key = lambda stage, res: digest(PIPELINE.inputs(stage, CONFIG, _read(res), lambda: {}, lambda: None))
+    new_weights = dict(results, **{"export.decode": Result("e2", code)})
+    assert key(Stage("edge", "decode"), new_weights) == key(Stage("edge", "decode"), results)
+    assert key(Stage("blob", "decode"), new_weights) != key(Stage("blob", "decode"), results)
+    new_code = dict(results, **{"export.decode": Result("e1", {"facets": {"code": "k2"}})})
+    assert key(Stage("edge", "decode"), new_code) != key(Stage("edge", "decode"), results)
+    edge_in = PIPELINE.inputs(Stage("edge", "decode"), CONFIG, _read(results), lambda: {}, lambda: None)
+    assert edge_in["graph"] == "k1" and PIPELINE.upstream_of(("graph",), edge_in) == "export.decode"
+    assert PIPELINE.facet_read(("graph",), edge_in) == "code"
+    # An upstream that will run has no facets yet: the facet is pending on it.
+    pending = dict(results, **{"export.decode": Result(Pending("export.decode"))})
+    assert pending_in(PIPELINE.inputs(Stage("edge", "decode"), CONFIG, _read(pending), lambda: {}, lambda: None)) == {
+        "export.decode"}
 
 
 def test_a_pending_upstream_shows_in_the_inputs():

@@ -166,3 +166,55 @@ def test_a_quantized_weight_digests_by_its_inner_tensors():
     a, b, c = quantized(0), quantized(0), quantized(1)
     assert type(a.state_dict["0.weight"]).__name__ == "IntxUnpackedToInt8Tensor"
     assert graph_digest(graph_summary(a)) == graph_digest(graph_summary(b)) != graph_digest(graph_summary(c))
+
+
+class WithScalar(torch.nn.Module):
+    """A weight of one element: inductor may write its value into the code."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.gain = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+def _digests(module, tmp_path, name):
+    from cudabuild.backend.programs import code_digest
+
+    ep = torch.export.export(module.eval(), (torch.randn(2, 16),))
+    saved = save_program(ep, tmp_path / name)
+    summary = graph_summary(ep, saved.weights)
+    return graph_digest(summary), code_digest(ep, summary)
+
+
+def test_new_weights_keep_the_code_digest_and_a_shape_or_a_one_element_value_does_not(tmp_path):
+    torch.manual_seed(0)
+    content, code = _digests(WithScalar(), tmp_path, "a")
+    torch.manual_seed(1)
+    other = WithScalar()
+    assert _digests(other, tmp_path, "b") != (content, code)
+    assert _digests(other, tmp_path, "b")[1] == code  # other weights, same code
+    with torch.no_grad():
+        other.gain.fill_(3.0)  # the one-element weight: a value that can decide code
+    assert _digests(other, tmp_path, "c")[1] != code
+    wider = WithScalar()
+    wider.lin = torch.nn.Linear(16, 16, bias=False)
+    assert _digests(wider, tmp_path, "d")[1] != code  # a weight fewer: other code
+
+
+def test_a_programs_tensors_load_without_its_graph(tmp_path):
+    from cudabuild.backend.programs import load_tensors, program_tensors
+
+    saved = save_program(exported(), tmp_path / "a")
+    tensors = load_tensors(reader(saved))
+    expected = program_tensors(load_program(reader(saved)))
+    assert sorted(tensors) == sorted(expected)
+    for fqn, t in expected.items():
+        assert torch.equal(tensors[fqn], t)
+    asked = []
+    read = reader(saved)
+    counting = lambda name: asked.append(name) or read(name)  # noqa: E731
+    assert sorted(load_tensors(counting, skip={"lin.weight"})) == ["lin.bias", "scale"]
+    assert "tensor.lin.weight" not in asked  # a skipped weight's file is not even asked for

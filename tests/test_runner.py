@@ -64,12 +64,15 @@ def test_a_spec_change_runs_that_methods_compile_and_waits_on_predicted_results(
     compile_decode = runner.decide(Stage("compile", "decode"), find=runner.store.locate_record)
     assert compile_decode.verdict == "run" and compile_decode.key != compile_decode.old.key
     assert runner.decide(Stage("compile", "prefill")).verdict == "cached"
-    # With explain's reader, package depends on a result that compile has not produced yet.
+    # With explain's reader, the blob depends on a result that compile has not produced yet, and
+    # package on the blob's.
     from cudabuild.engine.graph import Pending, Result
 
-    predicted = lambda s: Result(Pending(s.id)) if s.id == "compile.decode" else runner.read_result(s)
-    waiting = runner.decide(Stage("package"), read=predicted, find=runner.store.locate_record)
+    predicted = lambda s: Result(Pending(s.id)) if s.id in ("compile.decode", "blob.decode") else runner.read_result(s)
+    waiting = runner.decide(Stage("blob", "decode"), read=predicted, find=runner.store.locate_record)
     assert waiting.verdict == "wait" and waiting.waits == {"compile.decode"} and waiting.key is None
+    waiting = runner.decide(Stage("package"), read=predicted, find=runner.store.locate_record)
+    assert waiting.verdict == "wait" and waiting.waits == {"blob.decode"} and waiting.key is None
 
 
 def test_a_damaged_stamp_reads_as_absent_and_the_stage_is_restored(runner_for):

@@ -13,7 +13,8 @@ from conftest import assert_ok
 from cudabuild.backend.programs import load_program
 from cudabuild.backend import aoti_constants
 from cudabuild.backend.stages.reference import compute_dtype
-from cudabuild.backend.stages.verify import constants_unlike_program, program_tensors, promote_libtorch
+from cudabuild.backend.programs import program_tensors
+from cudabuild.backend.stages.verify import constants_unlike_program, promote_libtorch
 from cudabuild.engine.store import Store
 
 

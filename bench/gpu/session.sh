@@ -6,10 +6,13 @@
 #   tinycold  bench/cuda_target.py cold,keepkernels,stock with them off: the same figures the old way
 #   qwen      bench/qwen_moe_cuda.py cold,stock (ExecuTorch's Qwen3.5-MoE, tiny)
 #   qwenwarm  the same with warm processes on
+#   weights   bench/new_weights.py tiny_lm: another seed against a cold build of it (issue 46)
+#   qwenweights  the same for qwen_moe tiny (its quantize stage reruns, by design)
 #   tests     the GPU tests of the cuda target
 #   real      bench/qwen_moe_real.py: the whole build at size=35b-a3b layers=$LAYERS (default 8), low_memory_mode ON,
 #             as on a card of $CAP (default 24GiB: CUDABUILD_DEVICE_MEMORY);
 #             then a no-op and a restore; per-stage seconds and peaks, disk
+#   side      bench/qwen_moe_side_by_side.py: cudabuild cold against the stock exporter at 35b-a3b layers=$LAYERS (8)
 #   realtest  the GPU test at the real shapes (tests/gpu, -k real_shapes)
 #   quant40   bench/quantize_full.py: the quantize stage alone at size=35b-a3b, all 40 layers, min/max then HQQ
 #   driver    which warm imports map or initialise the CUDA driver (bench/gpu/driver_probe.py)
@@ -40,9 +43,12 @@ for case in "$@"; do
     tinycold) CUDABUILD_WARM=0 python3 bench/cuda_target.py --cases cold,keepkernels,stock --budget "$left" --out "$dir/r" ;;
     qwen)     python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
     qwenwarm) CUDABUILD_WARM=1 python3 bench/qwen_moe_cuda.py --cases cold,stock --budget "$left" --out "$dir/r" ;;
+    weights)  timeout "$left" python3 bench/new_weights.py --target cuda --models tiny_lm --no-shared --out "$dir/r" ;;
+    qwenweights) timeout "$left" python3 bench/new_weights.py --target cuda --models qwen_moe --no-shared --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
     truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
     real)     CUDABUILD_DEVICE_MEMORY=${CAP:-24GiB} python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
+    side)     python3 bench/qwen_moe_side_by_side.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
     realtest) timeout "$left" python3 -m pytest -q tests/gpu -k real_shapes -x ;;
     quant40)  python3 bench/quantize_full.py --layers "${LAYERS:-0}" --budget "$left" --out "$dir/r" ;;
     driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;
@@ -54,6 +60,8 @@ for case in "$@"; do
   [ -f "$dir/r/qwen_moe_truth.json" ] && cp "$dir/r/qwen_moe_truth.json" "$OUT/$case.json"
   [ -f "$dir/r/quantize_full.json" ] && cp "$dir/r/quantize_full.json" "$OUT/$case.json"
   [ -f "$dir/r/qwen_moe_real.json" ] && cp "$dir/r/qwen_moe_real.json" "$OUT/$case.json"
+  [ -f "$dir/r/qwen_moe_side_by_side.json" ] && cp "$dir/r/qwen_moe_side_by_side.json" "$OUT/$case.json"
+  [ -f "$dir/r/new_weights.json" ] && cp "$dir/r/new_weights.json" "$OUT/$case.json"
   grep -h "CPU ISA probe\|warm:" "$dir"/r/logs-*/*.log /tmp/cudabuild-warm-*/*.log 2>/dev/null | sort | uniq -c > "$dir/probes.txt"
   mkdir -p "$dir/warm" && cp /tmp/cudabuild-warm-*/*.log "$dir/warm/" 2>/dev/null
   tar -C "$OUT" -czf "$OUT/$case.tgz" "$case" && rm -rf "$dir"

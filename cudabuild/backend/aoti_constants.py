@@ -1,29 +1,45 @@
-"""The constants table of a compiled AOTInductor .so, and its weights blob checked against a program.
+"""The constants table of a compiled AOTInductor .so, and its weights blob: read, checked, written.
 
-torch's runner loads a weights blob by reading the whole file and copying every constant out of
-it: for a moment the process holds the weights twice, which for a real checkpoint is more memory
-than the machine has. On the CPU, verify instead hands the runner the program's own weights, mapped
-from the store, as user-managed constants (no copy), after checking here that the blob holds
-exactly those bytes where the .so will look for them. So what runs is still what the blob would
-load, and nothing is held twice.
+The weights blob AOTInductor writes beside a .so (`package_constants_on_disk_format=binary_blob`)
+is the .so's unfolded constants back to back, in the order of the graph's constants (the .so's
+index order), each its tensor's whole storage from the storage's start (the .so adds the tensor's
+storage offset itself), each starting at a multiple of 64 bytes with zeros between, unless every
+constant is on the GPU, where they are packed (torch/_inductor/codecache.py, AotCodeCompiler.compile).
+So a blob is a function of the table (names, FQNs, sizes, order, layout) and the tensors' bytes:
+
+- `captured_table()` records the table inductor compiles (`table_of_graph`), with each constant's
+  program FQN, dtype, shape, strides and storage offset, as JSON (a compile's `constants.json`);
+- `blob_problem(blob, table, tensors)` says where a blob is not exactly the table applied to a
+  program's tensors (None: byte for byte, padding included): the compile stage asks it of
+  AOTInductor's own blob, which is what makes a table *rewritable*;
+- `write_blob(path, table, tensors)` writes the blob for other weights of the same code
+  (cudabuild.backend.stages.blob), and `fit_problem` says first why a table cannot take them;
+- `constants_table(so)` reads the table from the .so itself (its C API), which the blob stage
+  compares with the JSON it was handed (`so_table_problem`).
+
+Verify uses the same reading: torch's runner loads a weights blob by reading the whole file and
+copying every constant out of it, for a moment holding the weights twice, which for a real
+checkpoint is more memory than the machine has. On the CPU, verify instead hands the runner the
+program's own weights, mapped from the store, as user-managed constants (no copy), after checking
+here (`check_blob`) that the blob holds exactly those bytes where the .so will look for them.
 
 The table comes from the .so's own C API (AOTInductorModelContainerGetConstant*: name, original
-FQN, byte size, whether inductor folded it), in index order, which is the blob's order. The blob
-is the unfolded constants back to back, each starting at a multiple of 64 bytes on the CPU
-(torch/_inductor/codecache.py writes it so; on CUDA they are packed). Any disagreement (a total
-that is not the blob's size, a constant without a program tensor) makes `check_blob` say so, and
-verify then loads the blob the ordinary way.
+FQN, byte size, whether inductor folded it), in index order, which is the blob's order.
+Nothing here imports torch at module level; the functions that read tensors get them handed in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
-CPU_ALIGNMENT = 64
+CPU_ALIGNMENT = 64  # torch._inductor.utils.ALIGN_BYTES: where each constant starts in a CPU blob
 _CHUNK = 1 << 24
+TABLE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -32,6 +48,19 @@ class Constant:
     fqn: str
     nbytes: int
     folded: bool
+
+
+def promote_libtorch(device: str) -> None:
+    """Make libtorch's symbols global: a .so built without libtorch (link_libtorch=False) resolves
+    its `aoti_torch_*` symbols only so, and torch loads libtorch RTLD_LOCAL."""
+    import os
+
+    import torch
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = ["libtorch_cpu.so"] + (["libtorch_cuda.so"] if device == "cuda" else [])
+    for name in names:
+        ctypes.CDLL(os.path.join(lib_dir, name), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
 
 
 def constants_table(so_path: str) -> list[Constant]:
@@ -97,3 +126,176 @@ def check_blob(blob: Path, table: list[Constant], tensors: Mapping[str, object],
                     mapped.drop(storage.data_ptr() + done, n)
                 done += n
     return None
+
+
+# -- the table a compile produces, and the blob for other weights ----------------------------------
+
+
+def _aligned(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def table_of_graph(graph) -> dict:
+    """What decides the weights blob of the .so inductor is about to write for `graph` (a
+    GraphLowering): its unfolded constants in order, each by name, program FQN, byte size (its
+    whole storage), offset in the blob, dtype, shape, strides, storage offset and device; the
+    layout (64-byte aligned, or packed when every constant is on the GPU) and the total size."""
+    flat = getattr(graph, "dynamo_flat_name_to_original_fqn", {}) or {}
+    names = [n for n in graph.constants if n not in graph.folded_constants]
+    values = {n: graph.get_original_value_of_constant(n) for n in names}
+    all_gpu = all(values[n].is_cuda for n in names)
+    alignment = 1 if all_gpu else CPU_ALIGNMENT
+    rows, offset, unsupported = [], 0, []
+    for name in names:
+        t = values[name]
+        if getattr(t, "is_mkldnn", False):
+            unsupported.append(f"constant {name} is an mkldnn tensor")
+            nbytes = 0
+        else:
+            nbytes = t.untyped_storage().nbytes() if t.numel() else 0
+        rows.append({"name": name, "fqn": flat.get(name) or graph.allocated_constant_name.get(name, name),
+                     "offset": offset, "nbytes": nbytes, "dtype": str(t.dtype).removeprefix("torch."),
+                     "shape": list(t.shape), "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
+                     "device": t.device.type})
+        offset += nbytes if all_gpu else _aligned(nbytes, alignment)
+    return {"version": TABLE_VERSION, "alignment": alignment, "size": offset, "constants": rows,
+            "folded": sorted(graph.folded_constants), "unsupported": unsupported}
+
+
+@contextlib.contextmanager
+def captured_table() -> Iterator[dict]:
+    """Within the block, the table of the (last) .so AOTInductor compiles is put in the dict
+    yielded (`table_of_graph`), taken as its compiler starts writing the .so and its blob."""
+    from torch._inductor import codecache
+
+    found: dict = {}
+    original = codecache.AotCodeCompiler.__dict__["compile"]
+
+    def compile(cls, graph, *args, **kwargs):
+        found.clear()
+        try:
+            found.update(table_of_graph(graph))
+        except Exception as e:  # another inductor: no table, so no other weights for this .so
+            found["error"] = f"inductor's constants could not be read ({type(e).__name__}: {e})"
+        return original.__func__(cls, graph, *args, **kwargs)
+
+    codecache.AotCodeCompiler.compile = classmethod(compile)
+    try:
+        yield found
+    finally:
+        codecache.AotCodeCompiler.compile = original
+
+
+def table_problem(table) -> Optional[str]:
+    """Why `table` (a compile's constants.json, parsed) is not a table this module wrote, in
+    words; None when it is well formed and its offsets follow its layout."""
+    if isinstance(table, dict) and table.get("error"):
+        return table["error"]
+    if not isinstance(table, dict) or table.get("version") != TABLE_VERSION:
+        return f"its constant table is not of version {TABLE_VERSION}"
+    rows, alignment = table.get("constants"), table.get("alignment")
+    if not isinstance(rows, list) or alignment not in (1, CPU_ALIGNMENT) or not isinstance(table.get("size"), int):
+        return "its constant table is malformed"
+    offset = 0
+    for row in rows:
+        fields = ("name", "fqn", "offset", "nbytes", "dtype", "shape", "stride", "storage_offset")
+        if not isinstance(row, dict) or any(f not in row for f in fields):
+            return "its constant table has a malformed row"
+        if row["offset"] != offset or not isinstance(row["nbytes"], int) or row["nbytes"] < 0:
+            return f"its constant table places {row['name']} at {row['offset']}, not {offset}"
+        offset += row["nbytes"] if alignment == 1 else _aligned(row["nbytes"], alignment)
+    if offset != table["size"]:
+        return f"its constant table adds up to {offset} bytes, not the {table['size']} it states"
+    if table.get("folded"):
+        return f"the .so folds constants ({', '.join(table['folded'][:3])}): their values are computed from the weights at compile time"
+    if table.get("unsupported"):
+        return table["unsupported"][0]
+    return None
+
+
+def fit_problem(table: dict, tensors: Mapping[str, object]) -> Optional[str]:
+    """Why the program `tensors` (by FQN) cannot fill `table`'s constants, in words: a constant
+    with no tensor of its FQN, or one of another dtype, shape, strides, storage offset or size."""
+    for row in table["constants"]:
+        t = tensors.get(row["fqn"])
+        if t is None:
+            return f"constant {row['name']} has no tensor {row['fqn']!r} in the program"
+        nbytes = t.untyped_storage().nbytes() if t.numel() else 0
+        have = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()),
+                "storage_offset": int(t.storage_offset()), "nbytes": nbytes}
+        for field, value in have.items():
+            if row[field] != value:
+                return f"constant {row['fqn']} has {field} {value} in the program, {row[field]} in the .so"
+    return None
+
+
+def _storage_bytes(t, start: int, n: int) -> bytes:
+    """Bytes [start, start + n) of a CPU tensor's whole storage (the program's tensors, mapped)."""
+    storage = t.untyped_storage()
+    if storage.device.type != "cpu":
+        raise ValueError(f"a weights blob is written from CPU tensors, not {storage.device.type} ones")
+    return ctypes.string_at(storage.data_ptr() + start, n)
+
+
+def write_blob(path: Path, table: dict, tensors: Mapping[str, object]) -> None:
+    """The weights blob for `tensors` (by FQN) under `table` (check `fit_problem` first): each
+    constant's storage at its offset, zeros between, one chunk in memory at a time."""
+    with open(path, "wb") as f:
+        for row in table["constants"]:
+            f.seek(row["offset"])
+            t, done = tensors[row["fqn"]], 0
+            while done < row["nbytes"]:
+                n = min(_CHUNK, row["nbytes"] - done)
+                f.write(_storage_bytes(t, done, n))
+                done += n
+        f.truncate(table["size"])
+
+
+def blob_problem(blob: Path, table: dict, tensors: Mapping[str, object]) -> Optional[str]:
+    """None when `blob` is, byte for byte, what write_blob writes for `tensors` under `table`
+    (padding included); else the first difference, in words."""
+    problem = table_problem(table) or fit_problem(table, tensors)
+    if problem:
+        return problem
+    size = blob.stat().st_size
+    if size != table["size"]:
+        return f"the weights blob is {size} bytes; the constant table says {table['size']}"
+    with open(blob, "rb") as f:
+        at = 0
+        for row in table["constants"]:
+            gap = f.read(row["offset"] - at)
+            if gap.strip(b"\0"):
+                return f"the weights blob holds other bytes than zeros before {row['fqn']}"
+            done = 0
+            while done < row["nbytes"]:
+                n = min(_CHUNK, row["nbytes"] - done)
+                if f.read(n) != _storage_bytes(tensors[row["fqn"]], done, n):
+                    return f"the weights blob's bytes for {row['fqn']} differ from the program's"
+                done += n
+            at = row["offset"] + row["nbytes"]
+        if f.read().strip(b"\0"):
+            return "the weights blob holds other bytes than zeros after its last constant"
+    return None
+
+
+def so_table_problem(table: dict, so_table: list[Constant]) -> Optional[str]:
+    """Why the .so's own constants (constants_table) are not `table`'s, in words, or None. The .so
+    states a CPU constant's size rounded up to the alignment."""
+    ours = [(r["name"], r["fqn"], r["nbytes"] if table["alignment"] == 1 else _aligned(r["nbytes"], table["alignment"]))
+            for r in table["constants"]]
+    theirs = [(c.name, c.fqn, c.nbytes) for c in so_table if not c.folded]
+    if len(ours) != len(theirs):
+        return f"the .so has {len(theirs)} constants, its constant table {len(ours)}"
+    for (name, fqn, nbytes), (so_name, so_fqn, so_nbytes) in zip(ours, theirs):
+        if (name, fqn, nbytes) != (so_name, so_fqn, so_nbytes):
+            return f"the .so's constant {so_name} ({so_fqn}, {so_nbytes} bytes) is {name} ({fqn}, {nbytes} bytes) in its constant table"
+    return None
+
+
+def read_table(data: bytes) -> dict | str:
+    """A constants.json's table, or why it cannot be read, in words."""
+    try:
+        table = json.loads(data)
+    except ValueError as e:
+        return f"its constant table is not JSON ({e})"
+    return table_problem(table) or table

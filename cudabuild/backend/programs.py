@@ -11,6 +11,17 @@ create), `constants.pt` (lifted constants and non-persistent buffers such as the
 targets, argument wiring by position, shapes, dtypes, symbolic ranges), its signature, and a
 content digest of every weight and constant, with node names and stack traces left out. Two
 exports of the same model give the same digest whatever file or line the code came from.
+
+`code_digest` is the same summary with the *values* of the weights left out: each tensor by its
+name, dtype, shape, strides, storage offset and size, and device only. It is what decides the
+compiled code (cudabuild.backend.stages.compile), so new weights for the same model keep it. The
+exception is a tensor whose value can decide code (`decides_code`): one of at most one element,
+which inductor writes into a kernel as a literal (a 0-d constant) or folds (a one-element constant
+in `constant_fold_uniform_value`); those keep their content digest in it. (Inductor also inlines
+1-D constants of up to 8 elements; the compile stage turns that off, so a small weight such as
+qwen_moe tiny's `A_log` or `dt_bias`, 4 values each, stays a constant of the weights blob:
+cudabuild.backend.stages.compile.) A tensor the caller names as its own (`own`: one a lowering
+made itself, not a weight it was handed) keeps its value in the code digest too.
 """
 
 from __future__ import annotations
@@ -152,20 +163,14 @@ def _without_state(ep):
     return bare
 
 
-def load_program(read: Callable[[str], Union[bytes, Path]], reuse: Optional[StoredWeights] = None):
-    """Rebuild an ExportedProgram; `read(name)` gives one stored part: its bytes, or the path of a
-    verified file, whose weights are then memory-mapped rather than read (and recorded in `reuse`
-    with the file's sha256, which `read` names as `read.sha(name)` when it can)."""
-    from executorch.exir.serde.export_serialize import SerializedArtifact
-    from executorch.exir.serde.serialize import deserialize
-
-    def data(name: str) -> bytes:
-        part = read(name)
-        return part if isinstance(part, bytes) else Path(part).read_bytes()
-
-    index = json.loads(data("weights.json"))
+def _load_state(read: Callable[[str], Union[bytes, Path]], reuse: Optional[StoredWeights], skip=frozenset()) -> dict:
+    """The stored program's weights by FQN (but those in `skip`, whose files are not even asked
+    for): each mapped from its file where `read` gives a path."""
+    index = json.loads(_data(read, "weights.json"))
     state = {}
     for fqn, name in index.items():
+        if fqn in skip:
+            continue
         part = read(name)
         if isinstance(part, bytes):
             state[fqn] = torch.load(io.BytesIO(part), weights_only=True)
@@ -174,8 +179,38 @@ def load_program(read: Callable[[str], Union[bytes, Path]], reuse: Optional[Stor
         sha = getattr(read, "sha", None)
         if reuse is not None and sha is not None:
             reuse.add(state[fqn], sha(name))
+    return state
+
+
+def _data(read: Callable[[str], Union[bytes, Path]], name: str) -> bytes:
+    part = read(name)
+    return part if isinstance(part, bytes) else Path(part).read_bytes()
+
+
+def load_program(read: Callable[[str], Union[bytes, Path]], reuse: Optional[StoredWeights] = None):
+    """Rebuild an ExportedProgram; `read(name)` gives one stored part: its bytes, or the path of a
+    verified file, whose weights are then memory-mapped rather than read (and recorded in `reuse`
+    with the file's sha256, which `read` names as `read.sha(name)` when it can)."""
+    from executorch.exir.serde.export_serialize import SerializedArtifact
+    from executorch.exir.serde.serialize import deserialize
+
+    state = _load_state(read, reuse)
     with _symbolic_ops_serializable():
-        return deserialize(SerializedArtifact(data("program.json"), state, data("constants.pt"), data("inputs.pt")))
+        return deserialize(SerializedArtifact(_data(read, "program.json"), state, _data(read, "constants.pt"),
+                                              _data(read, "inputs.pt")))
+
+
+def load_tensors(read: Callable[[str], Union[bytes, Path]], reuse: Optional[StoredWeights] = None,
+                 skip=frozenset()) -> dict:
+    """A stored program's tensors by FQN, as `program_tensors(load_program(read))` has them, without
+    its graph (whose deserialisation is most of a big program's load): weights mapped, and the
+    weights named in `skip` left out (their files not read, nor fetched from a shared tier)."""
+    from torch._export.serde.serialize import deserialize_torch_artifact
+
+    tensors = _load_state(read, reuse, skip)
+    constants = deserialize_torch_artifact(_data(read, "constants.pt"))
+    tensors.update((fqn, t) for fqn, t in constants.items() if isinstance(t, torch.Tensor))
+    return tensors
 
 
 # Size arithmetic torch's own serializer writes and ExecuTorch 1.4.1's copy of it does not know: a
@@ -308,6 +343,56 @@ def graph_summary(ep, weights: Optional[dict[str, str]] = None) -> dict:
         "state": {k: (weights[k] if weights is not None else tensor_digest(v)) for k, v in sorted(ep.state_dict.items())},
         "constants": {k: tensor_digest(v) for k, v in sorted(ep.constants.items()) if isinstance(v, torch.Tensor)},
     }
+
+
+def decides_code(t: torch.Tensor) -> bool:
+    """Whether inductor may read this constant's value while compiling (see the module docstring);
+    for a wrapper subclass, whether any of its inner tensors (what the compile sees) may be read."""
+    if _is_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return any(decides_code(getattr(t, name)) for name in names)
+    return t.numel() <= 1
+
+
+def tensor_code(t: torch.Tensor) -> list:
+    """What of a tensor the compiled code depends on, its values aside: dtype, shape, strides,
+    storage offset and bytes (the weights blob holds each constant's whole storage), and device;
+    for a wrapper subclass (torchao's quantized weights) its type, what it was flattened with and
+    each inner tensor's."""
+    if _is_subclass(t):
+        names, meta = t.__tensor_flatten__()
+        return ["S", f"{type(t).__module__}.{type(t).__qualname__}", str(t.dtype), [str(s) for s in t.shape],
+                _stable_repr(meta), {name: tensor_code(getattr(t, name)) for name in names}]
+    nbytes = t.untyped_storage().nbytes() if t.numel() else 0
+    return ["T", str(t.dtype), [str(s) for s in t.shape], [str(s) for s in t.stride()], int(t.storage_offset()),
+            nbytes, str(t.device.type)]
+
+
+def program_tensors(ep) -> dict:
+    """Every tensor of a program by FQN: its weights and persistent buffers (state) and its tensor
+    constants (lifted constants, non-persistent buffers such as KV caches)."""
+    tensors = dict(ep.state_dict)
+    tensors.update((fqn, t) for fqn, t in ep.constants.items() if isinstance(t, torch.Tensor))
+    return tensors
+
+
+def code_summary(ep, summary: dict, own: Optional[set] = None) -> dict:
+    """`summary` (graph_summary's) with the weights' values left out (see the module docstring):
+    what code_digest hashes. `own` names the tensors whose values stay in (None: none)."""
+    tensors = program_tensors(ep)
+    values = {**summary["state"], **summary["constants"]}
+    kept = {fqn for fqn, t in tensors.items() if decides_code(t) or (own is not None and fqn in own)}
+    return {
+        "nodes": summary["nodes"], "inputs": summary["inputs"], "outputs": summary["outputs"],
+        "ranges": summary["ranges"],
+        "tensors": {fqn: tensor_code(t) for fqn, t in sorted(tensors.items())},
+        "values": {fqn: values.get(fqn) or tensor_digest(tensors[fqn]) for fqn in sorted(kept)},
+    }
+
+
+def code_digest(ep, summary: dict, own: Optional[set] = None) -> str:
+    """The digest of `ep`'s code (code_summary), given its graph_summary."""
+    return graph_digest(code_summary(ep, summary, own))
 
 
 def graph_digest(summary: dict) -> str:

@@ -7,7 +7,12 @@ pipeline says which upstream stage an input is the result of). `forecast(runner)
 asks Runner.decide, the one up-to-date decision a build makes, about each stage, with predicted
 upstream results and a store lookup that changes nothing, and words the verdicts. A key depends on
 upstream results; where an upstream will run, its result is `Pending` and the forecast says what
-it waits on instead of guessing.
+it waits on instead of guessing, with one prediction: a change of nothing but the weights' values
+(an option the recipe declares as such, a seed: the rows' `values_only`) keeps every facet of the
+results it reaches (export's `code`), so the stages keyed on those facets (edge, compile) are told
+up to date, their code unchanged, and those keyed on the weights (blob, package, verify) as
+running for the new weights. The build itself computes the facets, and a wrong forecast costs a
+compile, never a wrong artifact.
 
 Must not import torch, executorch or doit, nor the runner (it is handed one), nor write to build/
 or the store (loading the config may refresh the store's file-hash and recipe-description memos,
@@ -100,7 +105,8 @@ def describe(c: Change, inputs: dict, pipeline: Pipeline) -> str:
         return f"spec {p[1]}.{p[3]}: {_was(c)}"
     upstream = pipeline.upstream_of(p, inputs)
     if upstream:
-        what = _graph_name(upstream) if p[-1] == "graph" else f"result of {upstream}"
+        what = (_graph_name(upstream) if p[-1] == "graph" else _weights_name(upstream) if p[-1] == "weights"
+                else f"result of {upstream}")
         return f"{what} changed ({_was(c)})"
     if root == "version":
         return f"cudabuild's {inputs.get('stage')} stage changed (version {_was(c)})"
@@ -114,6 +120,11 @@ def describe(c: Change, inputs: dict, pipeline: Pipeline) -> str:
 def _graph_name(stage_id: str) -> str:
     kind, _, method = stage_id.partition(".")
     return f"the {'exported' if kind == 'export' else kind} graph of {method}"
+
+
+def _weights_name(stage_id: str) -> str:
+    kind, _, method = stage_id.partition(".")
+    return f"the weights of {method}" if method else f"the weights from {kind}"
 
 
 def _join(words: list[str], most: int = 3) -> str:
@@ -206,8 +217,8 @@ def _names(stages: set[str], conjunction: str) -> str:
     return ", ".join(names[:-1]) + f" {conjunction} " + names[-1] if len(names) > 1 else names[0]
 
 
-def _if_changes(stages: set[str]) -> str:
-    return f"{_names(stages, 'or')} changes its result"
+def _if_changes(stages: set[str], what: str = "its result") -> str:
+    return f"{_names(stages, 'or')} changes {what}"
 
 
 def _results_of(stages: set[str]) -> str:
@@ -222,8 +233,13 @@ class _Graphs:
         self._by_digest: Optional[dict] = None
 
     def outputs_for(self, stage_id: str, stage_digest: str) -> Optional[dict]:
+        """A record's outputs by its stage and its digest, or one of its facets."""
         if self._by_digest is None:
-            self._by_digest = {(r.get("stage"), r.get("digest")): r.get("outputs", {}) for _, r in self.store.records()}
+            self._by_digest = {}
+            for _, r in self.store.records():
+                facets = (r.get("value") or {}).get("facets") if isinstance(r.get("value"), dict) else None
+                for known in (*(facets.values() if isinstance(facets, dict) else ()), r.get("digest")):
+                    self._by_digest[(r.get("stage"), known)] = r.get("outputs", {})
         return self._by_digest.get((stage_id, stage_digest))
 
     def summary(self, outputs: Optional[dict]) -> Optional[dict]:
@@ -261,14 +277,23 @@ def forecast(runner) -> list[Forecast]:
     """
     config, store, pipeline = runner.config, runner.store, runner.pipeline
     predicted: dict[str, Result] = {}  # stage id -> the result its dependents will read
+    new_weights: dict[str, str] = {}  # stage id -> the change of weights alone it will run for, in words
+    kept: dict[str, str] = {}  # stage id -> the same, for stages up to date although new weights reach them
     graphs = _Graphs(store)
     out = []
     for stage in pipeline.plan(config):
         decision = runner.decide(stage, read=lambda s: predicted.get(s.id), find=store.locate_record)
         old = decision.old
+        if decision.verdict in ("cached", "restorable"):
+            reached = sorted({new_weights.get(s.id) or kept.get(s.id) for s in pipeline.dependencies(stage, config)}
+                             - {None})
+            if reached:
+                kept[stage.id] = "; ".join(reached)
         if decision.verdict == "cached":
             predicted[stage.id] = old.result
-            out.append(Forecast(stage.id, "up to date", "up to date"))
+            words = f"up to date (its code is unchanged: only the weights change, {kept[stage.id]})" if stage.id in kept \
+                else "up to date"
+            out.append(Forecast(stage.id, "up to date", words))
             continue
         if decision.verdict == "restorable":
             record = decision.record
@@ -284,17 +309,47 @@ def forecast(runner) -> list[Forecast]:
         value = None
         if predict is not None:
             value = predict(old.value if old else None, old.inputs.get("fingerprint") if old else None, runner.fingerprint())
+        why = _weights_alone(decision, new_weights, config, pipeline)
+        if why is not None:
+            new_weights[stage.id] = why
+            facets = (old.value or {}).get("facets") if isinstance(old.value, dict) else None
+            if facets:  # new weights, the same code: the facets stay
+                value = dict(value or {}, facets=dict(facets))
         predicted[stage.id] = Result(Pending(stage.id), value, None)
-        out.append(_will_run(decision, predicted, graphs, pipeline))
+        out.append(_will_run(decision, predicted, graphs, pipeline, new_weights))
     return out
 
 
-def _will_run(decision, predicted: dict, graphs: _Graphs, pipeline: Pipeline) -> Forecast:
+def _weights_alone(decision, new_weights: dict, config, pipeline: Pipeline) -> Optional[str]:
+    """When every input of the stage that changes is a change of the weights' values alone (an
+    input its row names `values_only`, or the result of a stage that runs for new weights), those
+    changes in words; else None."""
+    old = decision.old
+    if old is None:
+        return None
+    row = pipeline.row(decision.stage)
+    alone = row.values_only(config) if row.values_only else set()
+    changes = diff(old.inputs, decision.inputs)
+    whys: list[str] = []
+    for c in changes:
+        upstream = pipeline.upstream_of(c.path, decision.inputs)
+        if c.path in alone:
+            whys.append(describe(c, decision.inputs, pipeline))
+        elif upstream in new_weights:
+            whys.append(new_weights[upstream])
+        else:
+            return None
+    return "; ".join(dict.fromkeys(whys)) if whys else None
+
+
+def _will_run(decision, predicted: dict, graphs: _Graphs, pipeline: Pipeline, new_weights: dict) -> Forecast:
     stage, old, inputs, waits = decision.stage, decision.old, decision.inputs, set(decision.waits)
     if old is None:
         if waits:
             return Forecast(stage.id, "wait", f"not built here; runs or restores depending on {_results_of(waits)}")
         return Forecast(stage.id, "run", "will run: not built here before, and not in the cache")
+    if stage.id in new_weights and waits:
+        return Forecast(stage.id, "run", f"will run for the new weights ({new_weights[stage.id]})")
     known = [c for c in diff(old.inputs, inputs) if not pending_in(c.new)]
     words = [_describe_with_graphs(c, inputs, predicted, graphs, pipeline) for c in known]
     if not waits:
@@ -302,4 +357,19 @@ def _will_run(decision, predicted: dict, graphs: _Graphs, pipeline: Pipeline) ->
         return Forecast(stage.id, "run", f"will run because {why}")
     if words:
         return Forecast(stage.id, "run", f"will run because {_join(words)} (or restore, depending on {_results_of(waits)})")
-    return Forecast(stage.id, "wait", f"will run if {_if_changes(waits)} (early cutoff may stop it)")
+    what = "its code" if _reads_facets_only(inputs, pipeline) else "its result"
+    return Forecast(stage.id, "wait", f"will run if {_if_changes(waits, what)} (early cutoff may stop it)")
+
+
+def _reads_facets_only(inputs: dict, pipeline: Pipeline) -> bool:
+    """Whether every pending upstream input of a stage holds a facet (export's code), not a digest."""
+    leaves = _pending_paths(inputs)
+    return bool(leaves) and all(pipeline.facet_read(p, inputs) for p in leaves)
+
+
+def _pending_paths(value: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(value, Pending):
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _pending_paths(v, path + (str(k),))]
+    return []

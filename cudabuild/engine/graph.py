@@ -4,9 +4,11 @@ from the rows (the plan, each stage's dependencies, its key inputs, which upstre
 A stage's key is the digest of its *inputs*: a JSON dict of its own parameters and the digests of
 the upstream results it consumes. An upstream digest is semantic where it can be (export and edge
 report a canonical graph hash, not the bytes of a serialized file), so an edit that leaves the
-graph alone stops the rebuild there: early cutoff. The inputs dict is kept in each stamp, which is
-how `explain` names what changed. Bump a row's version when its stage's implementation changes what
-it produces.
+graph alone stops the rebuild there: early cutoff. A result may also carry named digests of a
+part of it (*facets*, in its value's `facets` dict): export's `code` is its graph hash with the
+weights' values left out, and a stage keyed on `export[m]:code` is untouched by new weights. The
+inputs dict is kept in each stamp, which is how `explain` names what changed. Bump a row's version
+when its stage's implementation changes what it produces.
 
 The rows themselves (which stages the CUDA lowering has) are in cudabuild.pipeline; adding a stage
 kind is one row there and one module under cudabuild.backend.stages. Nothing here imports torch.
@@ -105,8 +107,8 @@ class StageKind:
     `consumes` names upstream stages: "probe" (a stage run once per build), "export[m]" (the same
     method's), "compile[*]" (every method's). `results` maps an input field to the consumed stage
     whose digest it holds, in the same notation: "edge[m]" and "package" fill inputs[field],
-    "compile[*]" fills inputs["methods"][m][field] for every method. `params` adds the stage's
-    other key inputs.
+    "compile[*]" fills inputs["methods"][m][field] for every method; "export[m]:code" holds the
+    upstream result's facet `code` instead of its digest. `params` adds the stage's other key inputs.
     """
 
     kind: str
@@ -134,6 +136,10 @@ class StageKind:
     # stage; others do not). A stage absent from a build is left out of its plan, and consumers
     # neither wait for it nor key on it: their keys are what they were without the row.
     applies: Optional[Callable[[Build], bool]] = None
+    # config -> the input paths (("options", "seed"), ...) whose change gives the stage's result
+    # other weights' values and nothing else: its facets stay. What explain predicts with
+    # (cudabuild.engine.explain); a stage that runs computes its facets, predicted or not.
+    values_only: Optional[Callable[[Build], set[tuple[str, ...]]]] = None
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -170,7 +176,7 @@ class Pipeline:
                     raise ValueError(f"stage kind {row.kind} consumes {name}: use kind[m] for the same "
                                      f"method's stage, kind[*] for every method's, kind for a once-per-build stage")
             for field_name, name in row.results.items():
-                if name not in row.consumes:
+                if name.partition(":")[0] not in row.consumes:
                     raise ValueError(f"stage kind {row.kind} keys {field_name} on {name}, which it does not consume")
 
     @property
@@ -213,22 +219,26 @@ class Pipeline:
         """The JSON inputs whose digest is the stage's action key."""
         row = self.row(stage)
 
-        def digest_of(kind: str, method: Optional[str]) -> Optional[str]:
+        def digest_of(kind: str, method: Optional[str], facet: str) -> Optional[str]:
             result = read(Stage(kind, method))
-            return result.digest if result else None
+            if result is None or not facet:
+                return result.digest if result else None
+            known = facet_of(result, facet)
+            # A stage that will run has no facets yet: its result is Pending until it has run.
+            return known if known is not None or not isinstance(result.digest, Pending) else result.digest
 
         inputs: dict = {"stage": stage.kind, "version": row.version, "target": config.target}
         if stage.method:
             inputs["method"] = stage.method
         for field_name, name in row.results.items():
-            kind, scope = _parse(name)
+            kind, scope, facet = _parse_facet(name)
             if not self.applies(kind, config):
                 continue
             if scope == "*":
                 for m in config.methods:
-                    inputs.setdefault("methods", {}).setdefault(m, {})[field_name] = digest_of(kind, m)
+                    inputs.setdefault("methods", {}).setdefault(m, {})[field_name] = digest_of(kind, m, facet)
             else:
-                inputs[field_name] = digest_of(kind, stage.method if scope == "m" else None)
+                inputs[field_name] = digest_of(kind, stage.method if scope == "m" else None, facet)
         ctx = KeyContext(config, stage.method, read, fingerprint, checkpoint_digest)
         return _deep_merge(inputs, row.params(ctx))
 
@@ -238,14 +248,34 @@ class Pipeline:
         if row is None:
             return None
         if len(path) == 1 and path[0] in row.results:
-            kind, scope = _parse(row.results[path[0]])
+            kind, scope, _ = _parse_facet(row.results[path[0]])
             if scope != "*":
                 return Stage(kind, inputs.get("method") if scope == "m" else None).id
         if len(path) == 3 and path[0] == "methods" and path[2] in row.results:
-            kind, scope = _parse(row.results[path[2]])
+            kind, scope, _ = _parse_facet(row.results[path[2]])
             if scope == "*":
                 return Stage(kind, path[1]).id
         return None
+
+    def facet_read(self, path: tuple[str, ...], inputs: dict) -> Optional[str]:
+        """The facet an input leaf holds of its upstream result ("code"), or None for its digest."""
+        row = self.rows.get(inputs.get("stage"))
+        field_name = path[0] if len(path) == 1 else path[2] if len(path) == 3 and path[0] == "methods" else None
+        if row is None or field_name not in row.results:
+            return None
+        return _parse_facet(row.results[field_name])[2] or None
+
+
+def facet_of(result: Result, facet: str) -> Optional[str]:
+    """A named digest of part of a result (its value's `facets`), or None where it has none."""
+    facets = (result.value or {}).get("facets") if isinstance(result.value, dict) else None
+    return facets.get(facet) if isinstance(facets, dict) else None
+
+
+def _parse_facet(name: str) -> tuple[str, str, str]:
+    """"export[m]:code" -> ("export", "m", "code"); "edge[m]" -> ("edge", "m", "")."""
+    name, _, facet = name.partition(":")
+    return (*_parse(name), facet)
 
 
 def _parse(name: str) -> tuple[str, str]:

@@ -637,6 +637,8 @@ class Runner:
                 entry["peak_rss"] = stamp.peak_rss  # bytes resident at the stage's peak (sampled)
             if this_run and stamp.worker:
                 entry["worker"] = stamp.worker  # the cluster's worker it ran on (cudabuild.engine.cluster)
+            if this_run and isinstance(stamp.value, dict) and stamp.value.get("note"):
+                entry["note"] = stamp.value["note"]  # what the stage says it did (the blob stage: rewritten)
             if status in ("restored", "remote", "cached"):
                 entry["saved_seconds"] = stamp.cost_seconds if stamp else 0.0
             stages.append(entry)

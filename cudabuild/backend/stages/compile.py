@@ -1,4 +1,25 @@
-"""compile: AOTInductor on one method's edge program -> model.so + weights.blob (+ autotune.json).
+"""compile: AOTInductor on one method's edge program -> model.so + constants.json + weights.blob (+ autotune.json).
+
+The compiled code is keyed on what decides it: the edge program's code digest (its structure and
+its tensors' names, dtypes, shapes, strides and devices, not the weights' values: see
+cudabuild.backend.programs), the specs, the toolchain and any pinned tuning. So new weights for the
+same model compile nothing: the blob stage (cudabuild.backend.stages.blob) writes their weights
+blob for this code, from `constants.json`, the table of the .so's constants (name, FQN, offset,
+size, dtype, shape, strides) taken from inductor as it writes the .so. The compile proves that
+table on its own blob: rebuilt from the program's tensors by the table, it must be AOTInductor's
+blob byte for byte (`constants.rewritable` in the value, with why not). The stage's digest is the
+.so's and the table's, not the blob's; the value names the weights the blob holds (`lowered_from`).
+
+Where a value does decide code, it stays in the key: inductor writes a 0-d constant into a kernel as
+a literal and folds one-element constants (`constant_fold_uniform_value`), so tensors of at most
+one element keep their values in the code digest (in our recipes: the scalars the edge lowering
+lifts from the program's arithmetic, never a weight). Inductor would also inline 1-D constants of
+up to 8 elements (`GraphLowering.can_inline_constant`), which in qwen_moe's tiny size are weights
+(`A_log` and `dt_bias`, 4 per linear-attention layer): the compile turns that off, so they stay
+constants of the blob and a new checkpoint keeps the code (a load of 4 values instead of literals).
+Freezing, runtime constant folding and mkldnn prepacking, the other ways inductor reads weights,
+are off in AOTInductor's options here; a .so that folds constants anyway says so in its table and
+is never given other weights.
 
 Everything process-global the compile touches is scoped to it and undone afterwards, also on
 error: the environment (the inductor cache dir, line-info switches, and on cuda the probed
@@ -29,7 +50,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from cudabuild.backend import benchmark_lock, device_peak, inductor_phases, vec_isa
+from cudabuild.backend import aoti_constants, benchmark_lock, cpp_objects, device_peak, inductor_phases, vec_isa
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
 from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.errors import CompileFailed, one_line
@@ -37,7 +58,7 @@ from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
 from cudabuild.engine.hashing import digest, sha256_file
 from cudabuild.backend import mapped_weights
 from cudabuild.backend import custom_ops, kernel_cache
-from cudabuild.backend.programs import StoredWeights, load_program
+from cudabuild.backend.programs import StoredWeights, load_program, program_tensors
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.tiers.redis import inductor_environment
 from cudabuild.engine import workers
@@ -82,11 +103,12 @@ def _inductor_dir_lock(cache_dir: Path):
 @contextlib.contextmanager
 def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool,
                   mapped: Iterable = (), timing_lock: Path | None = None,
-                  store_root: Path | None = None) -> Iterator[tuple[Any, set, Any]]:
+                  store_root: Path | None = None, tier=None) -> Iterator[tuple[Any, set, Any, Any]]:
     """Every process-wide change one compile makes, in one list: entered in this order, undone in
     reverse, also on error. Yields the program on the compile's device, the set that collects
-    the fallback kernels the compile emits, and the count of CPU ISA probes it asked
-    (cudabuild.backend.vec_isa; None without a `store_root`).
+    the fallback kernels the compile emits, the count of CPU ISA probes it asked
+    (cudabuild.backend.vec_isa; None without a `store_root`) and what its C++ objects were
+    (cudabuild.backend.cpp_objects).
 
     The order, and why:
     1. The environment, outermost: inductor and Triton read the cache dir, the line-info switches
@@ -100,7 +122,9 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
        and it must precede the low-memory patches, which recognise the KV caches by the freed
        storage the move leaves. Its device storage is released once those patches are undone.
     4. The fallback-kernel collector, no_grad and the SDPA math kernel: the state aot_compile
-       traces and lowers the program under.
+       traces and lowers the program under; no inlining of small 1-D constants (see the module
+       docstring), and the C++ compiles of AOTInductor's sources through the object cache
+       (cudabuild.backend.cpp_objects, with the shared `tier` where there is one).
     5. With low_memory, lowmem's CPU-clone patches (after the move: see 3).
     6. The timeline spans, innermost, around inductor's own work only; beside them, the release
        of the `mapped` weights' pages as inductor copies them into the weights blob
@@ -127,12 +151,32 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
         scope.enter_context(torch.no_grad())
         # SDPA left in the graph (triton_kernel_mode=OFF) must decompose: force the math kernel.
         scope.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        scope.enter_context(_no_inlined_constants())
+        objects = scope.enter_context(cpp_objects.cached(store_root, tier))
         if low_memory:
             scope.enter_context(lowmem.compile_time_cpu_clones(torch.device(_device_of(target))))
         scope.enter_context(inductor_phases.traced())
         scope.enter_context(mapped_weights.released_after_copy(mapped))
         scope.enter_context(benchmark_lock.timings_alone(timing_lock))
-        yield ep, fallbacks, probes
+        yield ep, fallbacks, probes, objects
+
+
+@contextlib.contextmanager
+def _no_inlined_constants() -> Iterator[None]:
+    """Inductor writes a 1-D constant of up to 8 elements into its kernels as literals; within the
+    block it keeps every such constant a constant (of the weights blob), so a weight's value never
+    decides the compiled code (the module docstring)."""
+    from torch._inductor.graph import GraphLowering
+
+    if "can_inline_constant" not in GraphLowering.__dict__:  # another torch: its inlining stays, keyed by value
+        yield
+        return
+    original = GraphLowering.__dict__["can_inline_constant"]
+    GraphLowering.can_inline_constant = staticmethod(lambda t: False)
+    try:
+        yield
+    finally:
+        GraphLowering.can_inline_constant = original
 
 
 @contextlib.contextmanager
@@ -157,15 +201,22 @@ def _device_of(target: str) -> str:
 
 
 def run(ctx) -> StageResult:
-    # The inductor dir is named by the key alone, so every cache on this machine shares it, while
-    # the runner's key lock is per cache: two builds with different CUDABUILD_CACHE_DIRs compiling
-    # one key emptied each other's dir mid-compile (a failed C++ compile, a missing lock file).
-    # A machine-wide lock per dir makes them take turns.
-    with _inductor_dir_lock(inductor_dir_for(ctx.key)):
-        return _compile(ctx)
+    method = ctx.stage.method
+    lowered_from = (ctx.upstream("edge", method).value or {}).get("lowered_from")
+    return compile_program(ctx, lambda mapped: load_program(ctx.reader("edge", method), mapped),
+                           key=ctx.key, graph=ctx.inputs["graph"], lowered_from=lowered_from)
 
 
-def _compile(ctx) -> StageResult:
+def compile_program(ctx, load, *, key: str, graph: str, lowered_from: str | None) -> StageResult:
+    """Compile the method's program that `load(mapped)` gives (its weights mapped into `mapped`) as
+    the compile stage of key `key` does: in that key's inductor dir, so the bytes are the stage's,
+    whichever stage calls it (the blob stage too, when it must compile). `graph` keys the tuning
+    decisions; `lowered_from` names the weights the program holds (the value says so)."""
+    with _inductor_dir_lock(inductor_dir_for(key)):
+        return _compile(ctx, load, key, graph, lowered_from)
+
+
+def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> StageResult:
     import torch
 
     method, target = ctx.stage.method, ctx.config.target
@@ -173,7 +224,7 @@ def _compile(ctx) -> StageResult:
     toolchain = ctx.upstream("probe").value
     low_memory = specs.get("low_memory_mode") == "ON"
     device = _device_of(target)
-    cache_dir = inductor_dir_for(ctx.key)
+    cache_dir = inductor_dir_for(key)
     environment = compile_environment(target, toolchain, cache_dir, ctx.store.root)
     if device == "cuda":  # its workers come up while the program loads and lowers
         with phase("start compile workers", min_seconds=0.05), scoped_environ(environment):
@@ -183,18 +234,20 @@ def _compile(ctx) -> StageResult:
         mapped = StoredWeights()
         custom_ops.register(ctx.config.target)  # the ops its programs call (importing their kernels)
     with phase("load"):
-        ep = load_program(ctx.reader("edge", method), mapped)  # weights mapped from the store, not read
+        ep = load(mapped)  # weights mapped from the store, not read
+    tensors = program_tensors(ep)  # on the CPU, as the store holds them: what the blob must hold
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
-    tuning_key, source = _restore_tuning(ctx, cache_dir, toolchain, specs)
+    tuning_key, source = _restore_tuning(ctx, cache_dir, toolchain, specs, graph)
 
     device_peak.start(device)  # this method's compile's peak device memory
     options = with_custom_shims(aoti_options(specs, target, toolchain))
     # Another compile may share the GPU (cudabuild.engine.workers): kernels are timed one at a time.
     timing_lock = workers.timing_lock(ctx.store.root / "locks", device) if device == "cuda" else None
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
-                       mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.store.root) as (ep, fallbacks, probes):
-        with phase("AOTInductor") as span:
+                       mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.store.root,
+                       tier=ctx.store.remote) as (ep, fallbacks, probes, objects):
+        with phase("AOTInductor") as span, aoti_constants.captured_table() as table:
             kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.store.root)
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
@@ -203,7 +256,8 @@ def _compile(ctx) -> StageResult:
                 traceback.print_exc(file=sys.stderr)
                 raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
             span.update(inductor_phases.since(kernels_before), **inductor_phases.compile_parallelism(),
-                        triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before))
+                        triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before),
+                        cpp_objects_cached=objects.cached + objects.fetched, cpp_objects_compiled=objects.compiled)
         if target == "cuda":
             check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
         used = sorted(fallbacks)
@@ -215,6 +269,11 @@ def _compile(ctx) -> StageResult:
     files = {"model.so": ctx.workdir / "model.so", "weights.blob": ctx.workdir / "weights.blob"}
     shutil.move(so, files["model.so"])
     shutil.move(blob, files["weights.blob"])
+    # The table, proven on AOTInductor's own blob: what lets the blob stage write other weights' blobs.
+    with phase("constant table"):
+        problem = (aoti_constants.blob_problem(files["weights.blob"], dict(table), tensors) if table
+                   else "AOTInductor reported no constant table")
+    files["constants.json"] = _write_json(ctx.workdir / "constants.json", dict(table))
     decisions = tuning.harvest(cache_dir)
     if decisions and source != "pinned":
         ctx.store.put_json(f"tune:{tuning_key}", {"files": decisions})
@@ -223,13 +282,17 @@ def _compile(ctx) -> StageResult:
     files["autotune.json"] = _write_json(ctx.workdir / "autotune.json", {"tuning_key": tuning_key, "source": source, "files": decisions})
     report = {"fallback_kernels": used, "options": {k: v for k, v in options.items() if isinstance(v, (bool, str, int))}}
     files["compile.json"] = _write_json(ctx.workdir / "compile.json", report)
-    # Downstream depends on the compiled bytes only, not on the tuning timings beside them.
-    shas = {name: sha256_file(files[name]) for name in ("model.so", "weights.blob")}
-    value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions)}
+    shas = {name: sha256_file(files[name]) for name in ("model.so", "constants.json", "weights.blob")}
+    value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions), "lowered_from": lowered_from,
+             "constants": {"rewritable": problem is None, **({"why": problem} if problem else {})},
+             "cpp_objects": {"cached": objects.cached, "fetched": objects.fetched, "compiled": objects.compiled}}
     value.update(device_peak.peak(device))
     if probes is not None:  # CPU ISA probes answered from the cache / run by torch
         value["isa_probes"] = {"remembered": probes.remembered, "checked": probes.checked}
-    return StageResult(files, digest=digest(shas), value=value, known=shas)
+    # Downstream depends on the code and its constant table, not on the weights in the blob beside
+    # them, nor on the tuning timings.
+    return StageResult(files, digest=digest({n: shas[n] for n in ("model.so", "constants.json")}), value=value,
+                       known=shas)
 
 
 def _write_json(path: Path, value) -> Path:
@@ -237,10 +300,10 @@ def _write_json(path: Path, value) -> Path:
     return path
 
 
-def _restore_tuning(ctx, cache_dir: Path, toolchain: dict, specs: dict) -> tuple[str, str]:
+def _restore_tuning(ctx, cache_dir: Path, toolchain: dict, specs: dict, graph: str) -> tuple[str, str]:
     """Put earlier decisions in place; returns (tuning key, where they came from)."""
     config, method = ctx.config, ctx.stage.method
-    key = tuning.tuning_key(ctx.inputs["graph"], toolchain, specs)
+    key = tuning.tuning_key(graph, toolchain, specs)
     entry = tuning.pinned(config.project, config.model, config.target, method)
     if entry:
         tuning.restore(cache_dir, entry["files"])

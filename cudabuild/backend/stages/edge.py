@@ -7,14 +7,27 @@ device-independent passes run in the reference's order: view_copy -> view, int64
 float, Triton op replacement (triton_kernel_mode=ON), conv1d -> conv2d. The one device-dependent
 pass (cond predicate to CPU) runs in compile, after the move to the device, where it means
 something.
+
+Edge is keyed on the exported program's *code* (programs.code_digest: its weights' values left
+out), not its content: new weights for the same model do not lower again. That holds because the
+lowering reads no weight's value, which every run checks (cudabuild.backend.tensor_origins): each
+tensor of the edge program is either the exported program's, handed on (the same tensor, a view,
+a copy: `origins.json` says which), or the lowering's own. The stage's digest is then the edge
+program's code digest (its own tensors' values kept: they come from the code), and the program
+for other weights is this one with theirs put in (`tensor_origins.for_weights`, which the blob
+and verify stages use). A lowering that did read a weight's values, or handed one on in a form
+that cannot be followed, says so in its value (`weights_read`); its digest is then the content
+digest, and the blob stage lowers again for any other weights rather than reuse this program.
 """
 
 from __future__ import annotations
 
-from cudabuild.backend import calling_convention, delegate, op_listing
+import json
+
+from cudabuild.backend import calling_convention, delegate, op_listing, tensor_origins
 from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend import custom_ops
-from cudabuild.backend.programs import StoredWeights, load_program
+from cudabuild.backend.programs import StoredWeights, load_program, program_tensors
 from cudabuild.backend.stages.export import release_model
 from cudabuild.backend.stages.program_result import program_result
 from cudabuild.engine.runner import StageResult
@@ -36,18 +49,18 @@ def backend_passes(ep, specs: dict):
     return ep.run_decompositions({torch.ops.aten.conv1d.default: conv1d_to_conv2d})
 
 
-def run(ctx) -> StageResult:
+ORIGINS = "origins.json"
+
+
+def lower(ctx, ep, reuse: StoredWeights) -> tuple:
+    """The method's edge program from its exported program `ep` (weights `reuse` holds are shared,
+    not copied), and what the lowering did with `ep`'s tensors (tensor_origins.Watch)."""
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     method = ctx.stage.method
     # ExecuTorch's own CUDA exporters lower without dim-order ops; a recipe that follows one says so.
     skip_dim_order = bool((ctx.config.description.get("lowering") or {}).get("skip_dim_order"))
-    release_model()
-    reuse = StoredWeights()  # the exported weights, mapped from the store: handed on, not copied
-    custom_ops.register(ctx.config.target)  # the ops its programs call
-    with phase("load"):
-        ep = load_program(ctx.reader("export", method), reuse)
-    with op_listing.listed_once():  # the lowering decomposes twice, the passes once more
+    with tensor_origins.watched(ep) as watch, op_listing.listed_once():  # lowering decomposes twice, passes once more
         try:
             with delegate.capture() as captured, reuse.shared_when_copied():
                 lowered = to_edge_transform_and_lower(
@@ -66,7 +79,29 @@ def run(ctx) -> StageResult:
     delegate.forget_lowered_graphs()  # the passes compare nodes too (see there)
     calling_convention.reorder_user_inputs(edge, positions)
     _check_inputs_match(ep, edge, sorted(positions), method)
-    return program_result(edge, ctx.workdir, reuse)
+    return edge, watch
+
+
+def run(ctx) -> StageResult:
+    method = ctx.stage.method
+    release_model()
+    reuse = StoredWeights()  # the exported weights, mapped from the store: handed on, not copied
+    custom_ops.register(ctx.config.target)  # the ops its programs call
+    with phase("load"):
+        ep = load_program(ctx.reader("export", method), reuse)
+    edge, watch = lower(ctx, ep, reuse)
+    found, unknown = tensor_origins.origins(watch, edge)
+    result = program_result(edge, ctx.workdir, reuse, own=set(program_tensors(edge)) - set(found))
+    result.files[ORIGINS] = ctx.workdir / ORIGINS
+    result.files[ORIGINS].write_text(json.dumps(found, sort_keys=True))
+    read = watch.reads + [f"{fqn} is handed on in a form that cannot be followed" for fqn in unknown[:1]]
+    result.value["lowered_from"] = ctx.upstream("export", method).digest
+    if read:
+        # Its program holds values computed from these weights: downstream follows its content.
+        result.value["weights_read"] = {"count": watch.read_count + len(unknown), "first": read}
+    else:
+        result.digest = result.value["facets"]["code"]
+    return result
 
 
 def _check_inputs_match(exported, edge, read: list[int], method: str) -> None:

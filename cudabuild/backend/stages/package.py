@@ -3,7 +3,7 @@
 Each method is lowered through ExecuTorch as a stand-in with its calling convention (see
 cudabuild.backend.standin: no weights loaded, no edge passes over the model; the same bytes), or, where a
 stand-in cannot reproduce it, as its exported program. cudabuild's backend in emit mode hands back
-the stored .so and weights blob per method, each delegate call is made to pass the method's inputs
+the stored .so and weights blob per method (the blob stage's: cudabuild.backend.stages.blob), each delegate call is made to pass the method's inputs
 in the method's order, the order the .so was compiled for (cudabuild.backend.calling_convention), and the
 delegates are renamed to the runtime's id.
 Weights blobs shared by several methods are stored once in the .ptd (named data is keyed by
@@ -45,8 +45,8 @@ def run(ctx) -> StageResult:
     weights: dict[str, bytes] = {}  # by sha256, filled by _read_once
     compiled = {}
     for m in methods:
-        sha = ctx.upstream("compile", m).outputs["weights.blob"]
-        compiled[m] = delegate.Compiled(ctx.blob("compile", m, "model.so"), _read_once(ctx, m, sha, weights), sha)
+        sha = ctx.upstream("blob", m).outputs["weights.blob"]
+        compiled[m] = delegate.Compiled(ctx.blob("blob", m, "model.so"), _read_once(ctx, m, sha, weights), sha)
     files = write_package(
         programs, compiled, {m: serialized(config.specs[m]) for m in methods}, config.target,
         json.loads(ctx.blob("export", methods[0], "metadata.json")), ctx.workdir, config.model,
@@ -59,7 +59,7 @@ def _read_once(ctx, method: str, sha: str, read: dict) -> bytes:
     """A method's weights blob, read into memory once per distinct blob (`read`: sha256 -> bytes):
     the methods' blobs hold the same weights, and one copy of tens of GB is what packaging may hold."""
     if sha not in read:
-        read[sha] = ctx.blob_path("compile", method, "weights.blob").read_bytes()
+        read[sha] = ctx.blob_path("blob", method, "weights.blob").read_bytes()
     return read[sha]
 
 

@@ -1,7 +1,9 @@
-"""verify: run one method's compiled .so and weights blob through torch's AOTI runner and compare
-its outputs with eager execution of the exported program, within a per-dtype tolerance. The eager
-results are the reference stage's on a device target, else computed here
-(cudabuild.backend.stages.reference).
+"""verify: run one method's compiled .so and weights blob (the blob stage's: the code compiled once,
+the blob for this build's weights) through torch's AOTI runner and compare its outputs with eager
+execution of the exported program, within a per-dtype tolerance. The eager results are the
+reference stage's on a device target, else computed here (cudabuild.backend.stages.reference).
+The edge program it compares constants with is the one for this build's weights
+(cudabuild.backend.stages.blob.lowered_program).
 
 The .so is built without libtorch (link_libtorch=False), so its `aoti_torch_*` symbols resolve only
 if libtorch is loaded with RTLD_GLOBAL: torch loads it RTLD_LOCAL, so the library is promoted first.
@@ -10,16 +12,16 @@ Constants are loaded from the blob before the first run (running first crashes).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
-import os
 
 from cudabuild.errors import VerifyFailed, one_line
 from cudabuild.backend import aoti_constants, mapped_weights
+from cudabuild.backend.aoti_constants import promote_libtorch
 from cudabuild.backend import custom_ops, device_peak
-from cudabuild.backend.programs import StoredWeights, load_example_inputs, load_program
+from cudabuild.backend.programs import StoredWeights, load_example_inputs, program_tensors
 from cudabuild.backend.stages import reference
+from cudabuild.backend.stages.blob import lowered_program, lowered_tensors
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.runner import StageResult
@@ -27,15 +29,6 @@ from cudabuild.engine.console.trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.
 TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-
-
-def promote_libtorch(device: str) -> None:
-    import torch
-
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    names = ["libtorch_cpu.so"] + (["libtorch_cuda.so"] if device == "cuda" else [])
-    for name in names:
-        ctypes.CDLL(os.path.join(lib_dir, name), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
 
 
 def load_compiled(so_path: str, blob_path: str, device: str):
@@ -53,16 +46,6 @@ def load_compiled(so_path: str, blob_path: str, device: str):
 
 def run_compiled(so_path: str, blob_path: str, inputs: tuple, device: str) -> list:
     return load_compiled(so_path, blob_path, device).run([t.to(device) for t in inputs])
-
-
-def program_tensors(ep) -> dict:
-    """Every tensor a compiled .so may hold as a constant, by FQN: the weights and the tensor
-    constants (KV caches and other buffers) of the program it was compiled from."""
-    import torch
-
-    tensors = dict(ep.state_dict)
-    tensors.update((fqn, t) for fqn, t in ep.constants.items() if isinstance(t, torch.Tensor))
-    return tensors
 
 
 def constants_unlike_program(so_path: str, blob_path: str, ep, device: str) -> tuple[int, list[str]]:
@@ -108,8 +91,8 @@ def run(ctx) -> StageResult:
     inputs = load_example_inputs(ctx.blob("export", method, "inputs.pt"))
     outputs = expected["outputs"]
     compute = getattr(torch, expected["computed_in"])
-    so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
-    blob = ctx.blob_path("compile", method, "weights.blob")
+    so = ctx.fetch("blob", method, "model.so", ctx.workdir / "model.so")
+    blob = ctx.blob_path("blob", method, "weights.blob")
     with phase("compiled"):
         actual, report_load = run_compiled_lean(ctx, method, str(so), blob, inputs, device)
     tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
@@ -154,8 +137,8 @@ def _verify_sampling_method(ctx, expected: dict, device: str) -> StageResult:
     steps = torch.load(ctx.blob_path("export", method, "verify_steps.pt"), weights_only=True)
     tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
     tolerance = tolerances.get(expected["computed_in"], 1e-4)
-    so = ctx.fetch("compile", method, "model.so", ctx.workdir / "model.so")
-    blob = ctx.blob_path("compile", method, "weights.blob")
+    so = ctx.fetch("blob", method, "model.so", ctx.workdir / "model.so")
+    blob = ctx.blob_path("blob", method, "weights.blob")
     with phase("compiled"):
         runner = load_compiled(str(so), str(blob), device)
         compiled, compiled_states = sampled_logits.compiled_steps(runner, steps, device, expected["buffers"])
@@ -212,14 +195,13 @@ def run_compiled_lean(ctx, method: str, so: str, blob, inputs: tuple, device: st
         return run_compiled(so, str(blob), inputs, device), "loaded from the weights blob"
     promote_libtorch(device)
     stored = StoredWeights()
-    edge = load_program(ctx.reader("edge", method), stored)  # fresh buffers (KV caches): eager wrote into its own
+    tensors = lowered_tensors(ctx, method, stored)  # fresh buffers (KV caches): eager wrote into its own
     mapped = mapped_weights.Mapped(stored.tensors())
-    tensors = program_tensors(edge)
     table = aoti_constants.constants_table(so)
     problem = aoti_constants.check_blob(blob, table, tensors, mapped) or (
         "the .so folds constants" if any(c.folded for c in table) else None)
     if problem:
-        del edge, tensors, stored, mapped
+        del tensors, stored, mapped
         gc.collect()
         return run_compiled(so, str(blob), inputs, device), f"loaded from the weights blob ({problem})"
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
@@ -238,7 +220,7 @@ def _locate_fault(ctx, method: str, inputs: tuple, expected: list, index: int, d
     constants the weights blob loads against the edge program's (wrong weights or an
     uninitialised cache), else the compiled code itself."""
     try:
-        edge = load_program(ctx.reader("edge", method))
+        edge = lowered_program(ctx, method)
     except Exception as e:  # a diagnostic only: never hide the verify failure behind it
         return f"the edge program could not be loaded to locate the fault ({one_line(e)})"
     # Compare constants before the eager run: it writes into the program's KV caches (on the CPU

@@ -197,7 +197,8 @@ def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None, sho
     width = max([10] + [len(r["stage"]) + 2 for r in rows])  # a stage kind with a long name keeps its column
     out.write(f"  {'stage':<{width}}{'method':<12}{'status':<10}{'seconds':>9}\n")
     for r in rows:
-        out.write(f"  {r['stage']:<{width}}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>9.1f}\n")
+        note = f"  {r['note']}" if r.get("note") else ""
+        out.write(f"  {r['stage']:<{width}}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>9.1f}{note}\n")
     out.write(
         f"  ran {counts['ran']}, restored {counts['restored']}, "
         + (f"from remote {counts['remote']}, " if counts["remote"] else "")

@@ -15,7 +15,7 @@ from typing import Optional
 STATUS_MARK = {"ran": "ran", "restored": "rest", "remote": "remote", "cached": "-"}
 # One colour per stage kind, in pipeline order (a qualitative palette that stays legible in grey).
 COLOURS = {"probe": "#999999", "export": "#4e79a7", "edge": "#59a14f", "compile": "#e15759",
-           "package": "#f28e2b", "verify": "#76b7b2"}
+           "blob": "#edc948", "package": "#f28e2b", "verify": "#76b7b2"}
 
 
 def history(log: list[dict], model: str, target: Optional[str] = None, last: int = 5) -> list[dict]:
