@@ -37,7 +37,7 @@ def problems(store, **cli) -> list[str]:
 def test_every_problem_is_reported_at_once_one_line_each(store):
     found = problems(store, model="tiny_lm", target="cpu", sizee="1", max_autotune="MAYBE")
     assert len(found) == 2 and all("\n" not in p for p in found)
-    assert found[0].startswith("unknown setting 'sizee' for model tiny_lm; recipe options: seed;")
+    assert found[0].startswith("unknown setting 'sizee' for model tiny_lm; recipe options: layers, seed;")
     assert found[1] == "invalid value max_autotune=MAYBE (command line); expected ON or OFF"
 
 
@@ -216,7 +216,7 @@ BAD_INPUT = [
     ("option-choice", ["model=qwen_moe", "size=huge"], "qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)"),
     ("option-target", ["model=qwen_moe", "target=cuda", "chunk=8"],
      "qwen_moe option chunk=8 applies to target cpu only, not cuda; drop it for target=cuda"),
-    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; recipe options: seed; specs: "
+    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; recipe options: layers, seed; specs: "
      "autotune_at_compile_time, autotune_pointwise, compile_wrapper_opt_level, coordinate_descent_tuning, "
      "emulate_precision_casts, low_memory_mode, max_autotune, platform, shim_library_path, triton_kernel_mode (or METHOD.SPEC)"),
     ("resolve", ["model=qwen_moe", "max_seq_len=3"],
