@@ -100,6 +100,7 @@ def pin_autotune(runner) -> Path:
     decisions a compile just made reproduces that compile, so nothing is rebuilt for it.
     """
     from cudabuild.engine.graph import Stage
+    from cudabuild.engine.rekey import rekey
 
     config = runner.config
     entries = {}
@@ -108,5 +109,5 @@ def pin_autotune(runner) -> Path:
         entries[method] = {"tuning_key": data["tuning_key"], "files": data["files"]}
     path = write_pins(config.project, config.model, config.target, entries)
     for method in config.methods:
-        runner.rekey(Stage("compile", method))
+        rekey(runner, Stage("compile", method))
     return path

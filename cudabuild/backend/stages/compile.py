@@ -60,9 +60,8 @@ from cudabuild.backend import mapped_weights
 from cudabuild.backend import custom_ops, kernel_cache
 from cudabuild.backend.programs import StoredWeights, load_program, program_tensors
 from cudabuild.backend.stages.export import release_model
-from cudabuild.engine.tiers.redis import inductor_environment
 from cudabuild.engine import workers
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.backend.toolchain import inductor_root
 from cudabuild.engine.console.trace import phase
 from cudabuild.backend import tuning
@@ -83,7 +82,7 @@ def compile_environment(target: str, toolchain: dict, cache_dir: Path, store_roo
         env.update((toolchain.get("cuda") or {}).get("env") or {})
     # With a read-write CUDABUILD_REMOTE=redis://..., inductor's own autotune cache shares kernel
     # tuning through the same Redis (these variables are outside the toolchain fingerprint).
-    env.update(inductor_environment())
+    env.update(kernel_cache.remote_autotune_environment())
     return env
 
 
