@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from cudabuild.errors import InvalidSpec
+from cudabuild.errors import InvalidSpec, compose
 
 ON_OFF = ("ON", "OFF")
 
@@ -64,11 +64,11 @@ def serialized(specs: Mapping[str, str]) -> dict[str, str]:
 
 def _problems(key: str, value: str, target: str, where: str) -> list[str]:
     if key not in SPEC_TABLE:
-        return [f"unknown spec '{key}' ({where}); known: {', '.join(sorted(SPEC_TABLE))}"]
+        return [compose(f"unknown spec '{key}' ({where})", fix=f"known: {', '.join(sorted(SPEC_TABLE))}")]
     spec = SPEC_TABLE[key]
     value = normalize(key, value)
     if spec.allowed is not None and value not in spec.allowed:
-        return [f"invalid value {key}={value} ({where}); expected {' or '.join(spec.allowed)}"]
+        return [compose(f"invalid value {key}={value} ({where})", fix=f"expected {' or '.join(spec.allowed)}")]
     return []
 
 

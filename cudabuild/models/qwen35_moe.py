@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from cudabuild.backend import custom_ops
-from cudabuild.errors import InvalidConfig, InvalidOption
+from cudabuild.errors import InvalidConfig, InvalidOption, compose
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
 
@@ -56,14 +56,14 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
     out = dict(options)
     problems = []
     if options.get("checkpoint") and options.get("prequantized"):
-        problems.append("qwen_moe options checkpoint= and prequantized= exclude each other: a bundle is already "
-                        "the quantized checkpoint")
+        problems.append(compose("qwen_moe options checkpoint= and prequantized=", "exclude each other: a bundle is "
+                                "already the quantized checkpoint"))
     layers = int(options["layers"])
     if options.get("prequantized"):
         fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != defaults[name]]
         if fixed:
-            problems.append(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself; "
-                            f"drop {', '.join(fixed)}")
+            problems.append(compose(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself",
+                                    fix=f"drop {', '.join(fixed)}"))
         else:
             try:
                 quant.check_bundle(_folder(options["prequantized"]))
@@ -73,27 +73,28 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
             except InvalidOption as e:
                 problems.append(str(e))
     if options.get("dense_prefill") == "dequant" and options.get("qlinear") != "4w":
-        problems.append(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
-                        f"not qlinear={options['qlinear']}")
+        problems.append(compose("qwen_moe option dense_prefill=dequant", f"needs qlinear=4w (int4 dense weights), "
+                                f"not qlinear={options['qlinear']}"))
     if layers < 0:
-        problems.append(f"qwen_moe option layers={layers}: expected an integer >= 0 (0: every layer)")
+        problems.append(compose(f"qwen_moe option layers={layers}", expected="an integer >= 0 (0: every layer)"))
     max_seq_len = int(options["max_seq_len"])
     if options.get("checkpoint"):
         fields, found = checkpoint_fields.check_checkpoint(options["checkpoint"], layers)
         problems += found
         limit = fields.get("max_position_embeddings")
         if limit and max_seq_len > limit:
-            problems.append(f"qwen_moe option max_seq_len={max_seq_len}: the checkpoint's max_position_embeddings is {limit}")
+            problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
+                                    f"the checkpoint's max_position_embeddings is {limit}"))
         max_seq_len = max_seq_len or min(limit or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
     elif not options.get("prequantized"):
         size_layers = quant.SIZES[options["size"]].get("num_hidden_layers", DEFAULT_LAYERS)
         if layers > size_layers:
-            problems.append(f"qwen_moe option layers={layers}: the size {options['size']} has {size_layers}")
+            problems.append(compose(f"qwen_moe option layers={layers}", f"the size {options['size']} has {size_layers}"))
         max_seq_len = max_seq_len or quant.SIZES[options["size"]].get("max_seq_len", 0)
     max_seq_len = max_seq_len or DEFAULT_MAX_SEQ_LEN
     if max_seq_len < MIN_SEQ_LEN:
-        problems.append(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
-                        "(default 0: from the checkpoint or the size)")
+        problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
+                                expected=f"an integer >= {MIN_SEQ_LEN} (default 0: from the checkpoint or the size)"))
     if problems:
         raise InvalidConfig(problems)
     out["max_seq_len"] = max_seq_len

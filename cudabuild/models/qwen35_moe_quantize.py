@@ -64,15 +64,15 @@ def check_bundle(folder: Path) -> None:
 
     for name in (CONFIG, BUNDLE):
         if not (folder / name).is_file():
-            raise InvalidOption(f"prequantized={folder}: no {name} there (a bundle of ExecuTorch's quantize_and_save has both)")
+            raise InvalidOption(f"prequantized={folder}", f"no {name} there (a bundle of ExecuTorch's quantize_and_save has both)")
     try:
         header, _, _ = read_raw_header(folder / BUNDLE)
     except HeaderError as e:
-        raise InvalidOption(f"prequantized={folder}: {BUNDLE} is not readable ({e})") from None
+        raise InvalidOption(f"prequantized={folder}", f"{BUNDLE} is not readable ({e})") from None
     metadata = header.get(METADATA) or {}
     if "tensor_names" not in metadata and "quantization" not in metadata:
-        raise InvalidOption(f"prequantized={folder}: {BUNDLE} is not a quantized bundle (its header has no torchao "
-                            "tensor_names); make one with ExecuTorch's quantize_and_save.py")
+        raise InvalidOption(f"prequantized={folder}", f"{BUNDLE} is not a quantized bundle (its header has no torchao "
+                            "tensor_names)", fix="make one with ExecuTorch's quantize_and_save.py")
 
 
 def model_config(options: Mapping[str, Any]):
@@ -252,7 +252,7 @@ def _checkpoint_parts(folder: str, config, device: str, dtype=torch.bfloat16) ->
         module.load_state_dict(own, strict=False, assign=True)
         missing = [prefix + n for n, p in module.named_parameters() if p.device.type == "meta"]
         if missing:
-            raise InvalidOption(f"checkpoint={folder}: no tensor for {', '.join(missing[:4])}"
+            raise InvalidOption(f"checkpoint={folder}", f"no tensor for {', '.join(missing[:4])}"
                                 f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}")
         for name, buf in list(module.named_buffers()):  # runtime state the checkpoint leaves on meta
             if buf.device.type == "meta":
