@@ -22,13 +22,10 @@ from typing import Mapping, Optional
 
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.hashing import digest
-
-TUNING_SPECS = ("max_autotune", "autotune_pointwise", "autotune_at_compile_time")
-
+from cudabuild.specs import tuning_specs
 
 def tuning_key(graph_digest: Optional[str], toolchain: Mapping, specs: Mapping[str, str]) -> str:
-    return digest({"graph": graph_digest, "toolchain": dict(toolchain),
-                   "specs": {k: specs[k] for k in TUNING_SPECS if k in specs}})
+    return digest({"graph": graph_digest, "toolchain": dict(toolchain), "specs": tuning_specs(specs)})
 
 
 def _is_decision(rel: Path) -> bool:

@@ -54,6 +54,7 @@ from cudabuild.backend import aoti_constants, benchmark_lock, cpp_objects, devic
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
 from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.errors import CompileFailed, one_line
+from cudabuild.specs import times_kernels
 from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
 from cudabuild.engine.hashing import digest, sha256_file
 from cudabuild.backend import mapped_weights
@@ -258,7 +259,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
                         triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before),
                         cpp_objects_cached=objects.cached + objects.fetched, cpp_objects_compiled=objects.compiled)
         if target == "cuda":
-            check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
+            check_cuda_fallbacks(method, fallbacks, autotuned=times_kernels(specs, target))
         used = sorted(fallbacks)
 
     so = next((p for p in paths if p.endswith(".wrapper.so")), None)
@@ -311,4 +312,4 @@ def _restore_tuning(ctx, cache_dir: Path, toolchain: dict, specs: dict, graph: s
     if stored and stored.get("files"):
         tuning.restore(cache_dir, stored["files"])
         return key, "replayed"
-    return key, "tuned" if specs.get("max_autotune") == "ON" else "none"
+    return key, "tuned" if times_kernels(specs, config.target) else "none"
