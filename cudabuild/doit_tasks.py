@@ -222,12 +222,15 @@ progress.set_expectations(_expected_seconds)
 
 
 def _stages_done():
-    """(stages whose stamp holds their current key, stages) over this run's builds, or None."""
+    """(stages up to date, stages) over this run's builds, or None: what `cudabuild explain` would
+    say of each stage now (one decision for both), a stage that waits on an unfinished one not done."""
+    from cudabuild.engine.explain import forecast
+
     done = 0
-    for runner, stage in list(_STAGE_OF_TASK.values()):
+    for runner in {id(r): r for r, _ in list(_STAGE_OF_TASK.values())}.values():
         try:
-            done += runner.decide(stage).verdict == "cached"
-        except Exception:  # an upstream stage not done: neither is this one
+            done += sum(f.verdict == "up to date" for f in forecast(runner))
+        except Exception:  # a build that cannot be forecast now: none of its stages are counted
             pass
     return (done, len(_STAGE_OF_TASK)) if _STAGE_OF_TASK else None
 

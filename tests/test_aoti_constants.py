@@ -77,3 +77,17 @@ def test_the_so_table_must_be_the_tables_own():
     swapped = [own[1], own[0], own[2]]
     assert aoti_constants.so_table_problem(table, swapped).startswith("the .so's constant c1 (view, 192 bytes) is c0")
     assert aoti_constants.so_table_problem(table, own[:2]) == "the .so has 2 constants, its constant table 3"
+
+
+def test_a_weight_that_is_no_constant_of_the_so_refuses_the_table(tmp_path):
+    """A program tensor of more than one element missing from the table may be written into the
+    code (inductor inlines small 1-D constants): new values of it would never reach the .so."""
+    weights = tensors(0)
+    table = table_for({k: v for k, v in weights.items() if k != "b"})
+    blob = tmp_path / "weights.blob"
+    aoti_constants.write_blob(blob, table, weights)
+    assert aoti_constants.blob_problem(blob, table, weights) == \
+        "the program's tensor b is no constant of the .so: its values may be in the code"
+    # A one-element tensor is keyed by its value in the code digest: it may be written into the code.
+    kept = {k: v for k, v in weights.items() if k != "b"}
+    assert aoti_constants.blob_problem(blob, table, dict(kept, lifted=torch.tensor([3.0]))) is None

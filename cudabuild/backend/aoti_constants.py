@@ -251,10 +251,24 @@ def write_blob(path: Path, table: dict, tensors: Mapping[str, object]) -> None:
         f.truncate(table["size"])
 
 
+def unread_problem(table: dict, tensors: Mapping[str, object]) -> Optional[str]:
+    """Why the .so may hold a weight's values in its code: a program tensor of more than one element
+    (whose values the code digest leaves out) that is no constant of the .so. Inductor inlines small
+    1-D constants (the compile turns that off where this torch has the switch) and could consume
+    others at compile time; either way new values of it would not reach the code, so the table must
+    not be given other weights."""
+    in_table = {row["fqn"] for row in table["constants"]}
+    for fqn, t in sorted(tensors.items()):
+        if fqn not in in_table and getattr(t, "numel", lambda: 0)() > 1:
+            return f"the program's tensor {fqn} is no constant of the .so: its values may be in the code"
+    return None
+
+
 def blob_problem(blob: Path, table: dict, tensors: Mapping[str, object]) -> Optional[str]:
     """None when `blob` is, byte for byte, what write_blob writes for `tensors` under `table`
-    (padding included); else the first difference, in words."""
-    problem = table_problem(table) or fit_problem(table, tensors)
+    (padding included), and every program tensor whose values the code digest leaves out is a
+    constant of it; else the first difference, in words."""
+    problem = table_problem(table) or fit_problem(table, tensors) or unread_problem(table, tensors)
     if problem:
         return problem
     size = blob.stat().st_size
