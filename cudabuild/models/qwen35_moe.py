@@ -56,8 +56,8 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
     out = dict(options)
     problems = []
     if options.get("checkpoint") and options.get("prequantized"):
-        problems.append(compose("qwen_moe options checkpoint= and prequantized=", "exclude each other: a bundle is "
-                                "already the quantized checkpoint"))
+        problems.append(compose("qwen_moe options checkpoint= and prequantized= exclude each other",
+                                "a bundle is already the quantized checkpoint"))
     layers = int(options["layers"])
     if options.get("prequantized"):
         fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != defaults[name]]
@@ -73,7 +73,7 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
             except InvalidOption as e:
                 problems.append(str(e))
     if options.get("dense_prefill") == "dequant" and options.get("qlinear") != "4w":
-        problems.append(compose("qwen_moe option dense_prefill=dequant", f"needs qlinear=4w (int4 dense weights), "
+        problems.append(compose(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
                                 f"not qlinear={options['qlinear']}"))
     if layers < 0:
         problems.append(compose(f"qwen_moe option layers={layers}", expected="an integer >= 0 (0: every layer)"))
