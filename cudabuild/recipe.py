@@ -4,8 +4,8 @@ A recipe file (`recipes/<name>.py`) defines one module-level `RECIPE = Recipe(..
 command line and does no I/O at import time; everything that needs torch happens inside the
 callables it hands over, which the stages call. This module must not import torch.
 
-A model whose form differs per target (ExecuTorch's Qwen3.5-MoE on cuda, a plain-PyTorch twin
-on the CPU) declares the other form under `targets`: each form is a whole Recipe of its own
+A model whose form differs per target (ExecuTorch's Qwen3.5-MoE on cuda, the same model without
+its Triton kernels on the CPU) declares the other form under `targets`: each form is a whole Recipe of its own
 (model, methods, options, specs), and the build takes the one for its target.
 """
 

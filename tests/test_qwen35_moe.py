@@ -246,17 +246,11 @@ def test_drawn_weights_are_the_same_tensors_whatever_the_number_of_layers(tmp_pa
 def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_does(tmp_path):
     """The streamed quantizer reads a checkpoint a part at a time (ExecuTorch's lazy subset reader);
     its bundle holds exactly what the stock whole-model path makes of the same checkpoint."""
-    from dataclasses import replace
-
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    from cudabuild.models import checkpoint as ck
-    from cudabuild.models import qwen_moe as qm
-    from cudabuild.models import qwen_moe_hf as qhf
+    from cudabuild.models import qwen35_moe_hf
 
-    args = replace(qm.SIZES["tiny"], dtype=torch.bfloat16, max_seq_len=64)
-    tensors = {k: v.to(torch.bfloat16) for k, v in ck.gather_tensors(qm.build(args, seed=3), qhf.hf_targets(args)).items()}
-    ck.save_checkpoint(tmp_path / "ckpt", tensors, qhf.hf_config(args, torch.bfloat16), shards=2)
+    qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"), shards=2, seed=3)
     options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
     config = quant.model_config(options)
     quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")

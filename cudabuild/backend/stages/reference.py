@@ -28,7 +28,7 @@ from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.backend.programs import load_example_inputs, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.memory import collect_if_worth
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 FILE = "reference.pt"
