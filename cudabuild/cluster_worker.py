@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cudabuild.backend.toolchain import fingerprint_difference
 from cudabuild.config import load_config
-from cudabuild.engine import cluster
+from cudabuild.engine import cache_admin, cluster
 from cudabuild.engine.console.progress import failure_lines
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.graph import Stage
@@ -57,6 +57,8 @@ def run_stage(payload: dict) -> dict:
             log = runner.logs.get(Stage(*payload["stage"]).id) if runner is not None else None
             return {"status": "failed", "error": one_line(e) + failure_lines(log), "worker": where,
                     "events": runner.recorder.take_own() if runner is not None else []}
+        # This worker's cache under its size limit ($CUDABUILD_CACHE_MAX_SIZE): its build is this stage.
+        cache_admin.enforce_limit(runner.store, runner.config.project)
         stamp = runner.read_stamp(stage)
         return {"status": status, "seconds": stamp.seconds, "reason": stamp.reason, "peak_rss": stamp.peak_rss,
                 "worker": where, "events": runner.recorder.take_own(), "run": payload["run"]}

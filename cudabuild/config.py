@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 from cudabuild import options as option_table
 from cudabuild import registry
-from cudabuild.errors import InvalidConfig, InvalidOption, UnknownTarget
+from cudabuild.errors import InvalidConfig, InvalidOption, UnknownTarget, compose
 from cudabuild.specs import SPEC_TABLE, merge_method_specs
 from cudabuild.backend.toolchain import resolve_target
 from cudabuild.engine.graph import Pipeline
@@ -100,11 +100,10 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
         elif name in known:
             given[name] = value
         else:
-            problems.append(
-                f"unknown setting '{name}' for model {model}; recipe options: "
+            problems.append(compose(
+                f"unknown setting '{name}' for model {model}", fix=f"recipe options: "
                 f"{', '.join(option_table.names_for(table, target)) or 'none'}; "
-                f"specs: {', '.join(sorted(SPEC_TABLE))} (or METHOD.SPEC)"
-            )
+                f"specs: {', '.join(sorted(SPEC_TABLE))} (or METHOD.SPEC)"))
     options, option_problems = option_table.check(model, target, table, given)
     problems.extend(option_problems)
 
@@ -116,7 +115,7 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
         problems.extend(spec_problems)
     autotune = cli.get("autotune") or "auto"
     if autotune not in ("auto", "pin"):
-        problems.append(f"autotune={autotune}: expected auto or pin")
+        problems.append(compose(f"autotune={autotune}", expected="auto or pin"))
     if target is not None:
         # What the recipe makes of the options, and of the folders they name (a checkpoint's
         # config.json and tensors): checked beside the problems above (a value with a problem is

@@ -29,7 +29,8 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cluster, interrupt, nightly, warm, workers
+from cudabuild.engine import cache_admin, cluster, executors, history, interrupt, nightly, warm, workers
+from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
 from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines,
@@ -161,8 +162,8 @@ def _cluster_address() -> str:
         return ""
     address = cluster.address_from(cli_vars().get("cluster", ""))
     if address and doit_option(sys.argv[1:], "-P", "--parallel-type") not in (None, "thread"):
-        fail_fast(InvalidOption(f"cluster={address} runs doit's workers as threads that wait on the cluster's "
-                                "tasks; drop -P/--parallel-type"))
+        fail_fast(InvalidOption(f"cluster={address} runs doit's workers as threads that wait on the cluster's tasks",
+                                fix="drop -P/--parallel-type"))
     return address
 
 
@@ -190,8 +191,8 @@ def with_warm(runner: Runner, settings: dict[str, str]) -> Runner:
     by default (on the GPU machine as spares, since inductor's import initialises the CUDA driver),
     never with CUDABUILD_WARM=0. None is started before a stage must run (cudabuild.warm_stage says
     when one is)."""
-    if runner.delegate is None and warm.enabled(default=True):
-        runner.warm = warm_stage.WarmStages(runner, settings)
+    if isinstance(runner.executor, executors.InProcess) and warm.enabled(default=True):
+        runner.executor = executors.WarmProcess(warm_stage.WarmStages(runner, settings))
     return runner
 
 
@@ -214,7 +215,7 @@ _STAGE_OF_TASK: dict = {}
 
 def _expected_seconds(task_name: str):
     runner, stage = _STAGE_OF_TASK.get(task_name, (None, None))
-    return runner.expected_seconds(stage) if runner is not None else None
+    return history.expected_seconds(runner, stage) if runner is not None else None
 
 
 progress.set_expectations(_expected_seconds)
@@ -263,11 +264,15 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
                 return TaskFailed(one_line(e))
             print(f"autotune decisions pinned in {path.relative_to(runner.config.project)}")
         with runner.recorder.span("manifest", "build"):
-            manifest = runner.write_manifest()
+            manifest = build_manifest.write(runner)
+        # The cache's size limit ($CUDABUILD_CACHE_MAX_SIZE), once the build is done: what it
+        # evicts is referenced by no stamp of the project, so nothing this build needs.
+        cache_admin.enforce_limit(runner.store, runner.config.project)
         runner.recorder.merge(trace.process_start_us(), trace.now_us(), model=manifest["model"], target=manifest["target"])
         print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir, shown=runner.config.shown_options)
-        if isinstance(runner.warm, warm_stage.WarmStages):  # (None where it could not serve this build)
-            runner.warm.after_build([entry["status"] for entry in manifest["stages"]])
+        warm_call = getattr(runner.executor, "call", None)  # (None where it could not serve this build)
+        if isinstance(warm_call, warm_stage.WarmStages):
+            warm_call.after_build([entry["status"] for entry in manifest["stages"]])
         return True
 
     yield {
@@ -336,8 +341,8 @@ def task_nightly():
         if CLUSTER:
             pool = open_pool(CLUSTER, resources, store)
         elif resources:
-            raise InvalidOption(f"resources={resources} is what stages ask of a cluster's workers; "
-                                "give cluster=ADDRESS too (or drop it)")
+            raise InvalidOption(f"resources={resources} is what stages ask of a cluster's workers",
+                                fix="give cluster=ADDRESS too (or drop it)")
     except CudabuildError as e:
         fail_fast(e)
     journal = nightly.Journal(project, RUN_ID)
@@ -355,11 +360,10 @@ def task_nightly():
             if config.target_note and config.target_note not in notes:
                 notes.add(config.target_note)
                 print(config.target_note, file=sys.stderr)
-            delegate = None
-            if pool is not None:  # what a worker needs to configure the same build
-                delegate = pool.delegate({"project": str(project), "settings": dict(cli, model=model, target=config.target)})
-            runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS,
-                            delegate=delegate)
+            runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS)
+            if pool is not None:  # stages that must run go to the cluster; what a worker needs to configure the same build
+                runner.executor = executors.ClusterWorker(
+                    pool.hand_off({"project": str(project), "settings": dict(cli, model=model, target=config.target)}))
             with_warm(runner, dict(cli, model=model, target=config.target))
             builds.setdefault(f"{config.model}/{config.target}", (runner, None))
 

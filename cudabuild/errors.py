@@ -3,6 +3,13 @@
 Every failure a user can cause (bad model name, bad spec, a recipe that does not export, a corrupt
 cache entry) is a `CudabuildError`; the command line prints `str(error)` alone, and a traceback only
 with CUDABUILD_VERBOSE=1. Anything else reaching the top is a bug in cudabuild.
+
+The classes compose their one line from its parts, as DVC's stage errors do: what (the setting, file
+or stage, as the user wrote it), the problem, what was expected, and the fix (`compose`). A raise
+site gives the parts, not the sentence: `InvalidOption("CUDABUILD_JOBS=x", expected="a whole number
+of stages, 1 or more")` says `CUDABUILD_JOBS=x: expected a whole number of stages, 1 or more`. The
+collected problems of a build's settings (options.check, a recipe's resolve) are lines composed the
+same way.
 """
 
 from __future__ import annotations
@@ -10,8 +17,25 @@ from __future__ import annotations
 from typing import Optional
 
 
+def compose(what: str, problem: str = "", expected: str = "", fix: str = "") -> str:
+    """One line from its parts: `what: problem; expected EXPECTED; fix` (the parts given)."""
+    text = what
+    if problem:
+        text += f": {problem}"
+    if expected:
+        text += f"{'; ' if problem else ': '}expected {expected}"
+    if fix:
+        text += f"; {fix}"
+    return text
+
+
 class CudabuildError(Exception):
-    """A failure with a one-line, actionable message."""
+    """A failure with a one-line, actionable message, composed from its parts (`compose`); a class
+    that knows its own sentence (CorruptBlob, the cluster's) composes it from its own arguments."""
+
+    def __init__(self, what: str = "", problem: str = "", *, expected: str = "", fix: str = ""):
+        self.what, self.problem, self.expected, self.fix = what, problem, expected, fix
+        super().__init__(compose(what, problem, expected, fix))
 
 
 class UnknownModel(CudabuildError):

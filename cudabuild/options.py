@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
+from cudabuild.errors import compose
+
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -157,16 +159,14 @@ def check(model: str, target: Optional[str], options: Table, given: Mapping[str,
     problems = []
     for name, raw in given.items():
         option = by_name[name]
+        setting = f"{model} option {name}={shown(raw)}"
         if target and not option.applies_to(target):
-            problems.append(f"{model} option {name}={shown(raw)} applies to target{'s' if len(option.targets) > 1 else ''} "
-                            f"{', '.join(option.targets)} only, not {target}; drop it for target={target}")
+            problems.append(compose(f"{setting} applies to target{'s' if len(option.targets) > 1 else ''} "
+                                    f"{', '.join(option.targets)} only, not {target}", fix=f"drop it for target={target}"))
             continue
         value, why = parse(option, raw)
         if why is not None:
-            if why == "no such folder":
-                problems.append(f"{model} option {name}={shown(raw)}: no such folder")
-            else:
-                problems.append(f"{model} option {name}={shown(raw)}: expected {option.expected()}")
+            problems.append(compose(setting, why) if why == "no such folder" else compose(setting, expected=option.expected()))
             continue
         values[name] = value
     return values, problems

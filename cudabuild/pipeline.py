@@ -34,7 +34,7 @@ from cudabuild.backend import toolchain
 from cudabuild.backend.tuning import pinned_digest
 from cudabuild.engine.graph import KeyContext, Pipeline, Stage, StageKind
 from cudabuild.models import safetensors_parts
-from cudabuild.specs import specs_for_stage
+from cudabuild.specs import specs_for_stage, times_kernels
 
 STAGES = "cudabuild.backend.stages."
 
@@ -168,7 +168,7 @@ def _warm_imports(target: str) -> tuple[str, ...]:
 
 
 def _compile_alone(config, method) -> str | None:
-    if config.target == "cpu" and config.specs[method].get("max_autotune") == "ON":
+    if config.target == "cpu" and times_kernels(config.specs[method], config.target):
         return "it tunes kernels by timing them on the CPU, which a stage beside it would skew"
     return None
 
@@ -204,7 +204,7 @@ PIPELINE = Pipeline(
                   params=_package, final_outputs=True),
         # After compile and package in the table, so that a free worker takes it only once nothing
         # on the way to the package is waiting: it is off that chain.
-        StageKind("reference", version=2, per_method=True, module=STAGES + "reference",
+        StageKind("reference", version=3, per_method=True, module=STAGES + "reference",
                   consumes=("probe", "quantize", "export[m]"), results={"graph": "export[m]", "weights": "quantize"},
                   params=_reference, applies=_reference_apart, device=_accelerator),
         StageKind("verify", version=4, per_method=True, module=STAGES + "verify",

@@ -4,8 +4,8 @@ A recipe file (`recipes/<name>.py`) defines one module-level `RECIPE = Recipe(..
 command line and does no I/O at import time; everything that needs torch happens inside the
 callables it hands over, which the stages call. This module must not import torch.
 
-A model whose form differs per target (ExecuTorch's Qwen3.5-MoE on cuda, a plain-PyTorch twin
-on the CPU) declares the other form under `targets`: each form is a whole Recipe of its own
+A model whose form differs per target (ExecuTorch's Qwen3.5-MoE on cuda, the same model without
+its Triton kernels on the CPU) declares the other form under `targets`: each form is a whole Recipe of its own
 (model, methods, options, specs), and the build takes the one for its target.
 """
 
@@ -78,7 +78,7 @@ class Quantize:
     on_device: bool = True
     # An fp32 truth of the quantized model, for verify on a device (the reference stage calls it):
     # `truth(options, folder, prepare, steps, device, eager)` -> {"truth": {"logits", "states"},
-    # "envelope": {"states", "gaps"}, "runs"}: the method's verify steps in fp32 on the same weights,
+    # "envelope": {"states", "gaps", "deviations"}, "runs"}: the method's verify steps in fp32 on the same weights,
     # and the largest distance from them of bf16 runs (`eager`, the eager program's own, among
     # them). Where given, verify asks the compiled program to be about as close to the truth as
     # bf16 is (cudabuild.backend.sampled_logits) instead of close to the bf16 eager run itself.

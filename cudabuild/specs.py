@@ -5,6 +5,12 @@ and in the keys of the stages it affects. Values are merged once, in this order 
 table default for the target, recipe specs for all targets, recipe specs for the target, the
 method's own recipe specs, command-line `KEY=VALUE`, command-line `METHOD.KEY=VALUE`.
 Errors are collected and reported together on one line. No torch here.
+
+The table is the one place a spec is named and given its defaults: what inductor option it sets
+(`inductor`), whether it decides the autotune decisions a compile makes (`tuning`), and whether ON
+tunes kernels by timing them (`times_kernels`: a CPU compile then runs alone, and on cuda OFF leaves
+inductor ATen GEMMs the runtime lacks) are columns of its row, asked through the functions below,
+so the backend walks from a spec to inductor in one step.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from cudabuild.errors import InvalidSpec
+from cudabuild.errors import InvalidSpec, compose
 
 ON_OFF = ("ON", "OFF")
 
@@ -27,23 +33,33 @@ class SpecKey:
     # Whether the .pte carries it as one of the delegate's compile specs (the CUDA backend's own
     # keys); inductor settings cudabuild applies around the compile are keyed, not serialized.
     serialized: bool = True
+    inductor: Optional[str] = None  # the inductor option an ON/OFF spec sets (ON: True)
+    tuning: bool = False  # decides which autotune decisions a compile makes (their stored key)
+    times_kernels: bool = False  # ON: kernels are tuned by timing them
 
 
 SPEC_TABLE: dict[str, SpecKey] = {
     "triton_kernel_mode": SpecKey(ON_OFF, "OFF", "ON", ("edge", "compile"), "replace sdpa/topk with ExecuTorch's Triton kernels"),
     "low_memory_mode": SpecKey(ON_OFF, "OFF", "OFF", ("compile",), "free KV-cache storage and clone mutated buffers on the CPU during compile"),
-    "emulate_precision_casts": SpecKey(ON_OFF, "ON", "ON", ("compile",), "inductor emulates eager's low-precision casts"),
-    "max_autotune": SpecKey(ON_OFF, "OFF", "ON", ("compile",), "tune GEMM/pointwise kernels by benchmarking"),
-    "autotune_at_compile_time": SpecKey(ON_OFF, None, None, ("compile",), "tune Triton kernels while compiling, not at first run"),
-    "autotune_pointwise": SpecKey(ON_OFF, None, None, ("compile",), "tune pointwise kernels too"),
+    "emulate_precision_casts": SpecKey(ON_OFF, "ON", "ON", ("compile",), "inductor emulates eager's low-precision casts",
+                                       inductor="emulate_precision_casts"),
+    "max_autotune": SpecKey(ON_OFF, "OFF", "ON", ("compile",), "tune GEMM/pointwise kernels by benchmarking",
+                            inductor="max_autotune", tuning=True, times_kernels=True),
+    "autotune_at_compile_time": SpecKey(ON_OFF, None, None, ("compile",), "tune Triton kernels while compiling, not at first run",
+                                        inductor="triton.autotune_at_compile_time", tuning=True),
+    "autotune_pointwise": SpecKey(ON_OFF, None, None, ("compile",), "tune pointwise kernels too",
+                                  inductor="triton.autotune_pointwise", tuning=True),
     "platform": SpecKey(("linux", "windows"), "linux", "linux", ("compile",), "platform the .so is built for"),
     "shim_library_path": SpecKey(None, None, None, ("compile",), "folder of aoti_cuda_shims (windows only)"),
     "compile_wrapper_opt_level": SpecKey(("O0", "O1", "O2", "O3", "Os"), None, None, ("compile",),
                                          "the C++ compiler's -O for the generated wrapper (unset: inductor's O1)",
                                          serialized=False),
     "coordinate_descent_tuning": SpecKey(ON_OFF, None, None, ("compile",),
-                                         "inductor's coordinate-descent tuning of Triton kernel configs", serialized=False),
+                                         "inductor's coordinate-descent tuning of Triton kernel configs", serialized=False,
+                                         inductor="coordinate_descent_tuning"),
 }
+# The spec that tunes kernels by timing them, by its name (messages name it).
+TIMING_SPEC = next(name for name, spec in SPEC_TABLE.items() if spec.times_kernels)
 
 TARGETS = ("cpu", "cuda")
 
@@ -64,11 +80,11 @@ def serialized(specs: Mapping[str, str]) -> dict[str, str]:
 
 def _problems(key: str, value: str, target: str, where: str) -> list[str]:
     if key not in SPEC_TABLE:
-        return [f"unknown spec '{key}' ({where}); known: {', '.join(sorted(SPEC_TABLE))}"]
+        return [compose(f"unknown spec '{key}' ({where})", fix=f"known: {', '.join(sorted(SPEC_TABLE))}")]
     spec = SPEC_TABLE[key]
     value = normalize(key, value)
     if spec.allowed is not None and value not in spec.allowed:
-        return [f"invalid value {key}={value} ({where}); expected {' or '.join(spec.allowed)}"]
+        return [compose(f"invalid value {key}={value} ({where})", fix=f"expected {' or '.join(spec.allowed)}")]
     return []
 
 
@@ -140,6 +156,22 @@ def _target_rules(specs: Mapping[str, str], target: str) -> list[str]:
     if "shim_library_path" in specs and specs.get("platform") != "windows":
         found.append("shim_library_path is for platform=windows only ({where})")
     return found
+
+
+def inductor_options(specs: Mapping[str, str]) -> dict[str, bool]:
+    """{inductor option: bool} the ON/OFF specs given set."""
+    return {SPEC_TABLE[k].inductor: v == "ON" for k, v in specs.items() if SPEC_TABLE[k].inductor}
+
+
+def tuning_specs(specs: Mapping[str, str]) -> dict[str, str]:
+    """The specs that decide which autotune decisions a compile makes."""
+    return {k: v for k, v in specs.items() if SPEC_TABLE[k].tuning}
+
+
+def times_kernels(specs: Mapping[str, str], target: str) -> bool:
+    """Whether a compile with these specs tunes kernels by timing them (a spec left out: the
+    target's default)."""
+    return any((specs.get(k) or getattr(s, target)) == "ON" for k, s in SPEC_TABLE.items() if s.times_kernels)
 
 
 def specs_for_stage(specs: Mapping[str, str], stage: str) -> dict[str, str]:

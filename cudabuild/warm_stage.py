@@ -1,6 +1,7 @@
 """A stage that must run, run in the cache's warm process (cudabuild.engine.warm): a fork or a spare.
 
-`WarmStages(runner, settings)` is the Runner's `warm` function for one build. It hands the warm
+`WarmStages(runner, settings)` is what the build's executor (cudabuild.engine.executors.WarmProcess)
+calls for one build. It hands the warm
 process what configures the same build (the project and the command line's settings) and names
 the stage; `run_stage` runs in the process that serves the call: it loads the build's configuration from the
 project on disk (the child's cudabuild and recipes are read fresh), makes a Runner on the same
@@ -19,14 +20,15 @@ from typing import Mapping
 
 from cudabuild.engine.console import trace
 from cudabuild.engine.graph import Stage
-from cudabuild.engine.runner import WAITS, Runner
+from cudabuild.engine.admission import WAITS
+from cudabuild.engine.runner import Runner
 from cudabuild.engine.warm import WarmProcesses
 
 FUNCTION = "cudabuild.warm_stage:run_stage"
 
 
 class WarmStages:
-    """The Runner's `warm` function for one build: runs a stage in the cache's warm
+    """The call of one build's WarmProcess executor: runs a stage in the cache's warm
     process. Made when the build starts, so the process's key is of the build's environment and
     sys.path before any stage could change them."""
 

@@ -1,72 +1,54 @@
-"""qwen_moe: Qwen3.5-MoE (gated delta rule + GQA, 256-expert MoE), in two forms of one model.
+"""qwen_moe: ExecuTorch's Qwen3.5-MoE (gated delta rule + GQA, 256-expert MoE), one model in two forms.
 
     doit export model=qwen_moe                                         # size=tiny, random weights
     doit export model=qwen_moe size=35b-a3b layers=4 target=cuda       # real shapes, first 4 layers
     doit export model=qwen_moe checkpoint=/models/Qwen3.5-35B-A3B target=cuda
     doit export model=qwen_moe prequantized=/models/qwen35_moe_quantized target=cuda
 
-On cuda the model is ExecuTorch's own Qwen3.5-MoE (cudabuild/models/qwen35_moe.py): quantized
-once by the quantize stage (int4 experts for ExecuTorch's fused MoE kernel, torchao int4 linears),
-on ExecuTorch's Triton kernels, exported as its exporter does (`decode` and `prefill`, each
-`(tokens, input_pos, temperature) -> sampled token [1, 1]`), the artifact its runner runs.
-Options there, with the stock exporter's defaults: `size` (tiny = its --tiny-test config, seeded;
-35b-a3b), `layers`, `seed`, `checkpoint`, `prequantized` (a bundle of its quantize_and_save.py),
-`max_seq_len`, `qlinear` (4w, 8w, 8da4w), `qlinear_group_size`, `qembedding` (8w), `hqq`,
-`dense_prefill` (tinygemm, dequant), `moe_activation_dtype` (bf16, int8), `splitk`.
+The model is ExecuTorch's (executorch.examples.models.qwen3_5_moe.model.Qwen35MoE) on every target.
+On cuda (cudabuild/models/qwen35_moe.py) it is quantized once by the quantize stage (int4 experts
+for ExecuTorch's fused MoE kernel, torchao int4 linears), runs on ExecuTorch's Triton kernels and
+is exported as its exporter does (`decode` and `prefill`, each `(tokens, input_pos, temperature)
+-> sampled token [1, 1]`), the artifact its runner runs. Elsewhere (the CPU), the modules that call
+Triton kernels are swapped for plain PyTorch by a source transformation that keeps their names and
+weights (cudabuild/models/qwen35_moe_plain.py), the weights stay unquantized (fp32 for tiny, bf16
+for 35b-a3b, a checkpoint's own dtype), and both methods are `(tokens, input_pos) -> the last
+token's logits [1, V]`, the forward ExecuTorch binds for backends that sample on the host.
 
-On the CPU, where ExecuTorch's Triton kernels cannot run, it is the same architecture in plain
-PyTorch (cudabuild/models/qwen_moe.py), with the options below. The two are one model: both read
-a Hugging Face Qwen3.5-MoE checkpoint by its own names (checked against transformers for the CPU
-form, tests/test_qwen_moe_hf.py), and tests/test_qwen35_moe.py loads one checkpoint into both
-and checks that the CPU form computes the CUDA form's logits (GPU: tests/gpu).
+Both forms take their weights from one place (the size's seeded draw of the stock --tiny-test, or a
+Hugging Face checkpoint through ExecuTorch's lazy subset reader: cudabuild/models/
+qwen35_moe_quantize.py `weight_parts`) and check a checkpoint against one table of config.json's
+fields before any stage (cudabuild/models/qwen_moe_checkpoint.py). tests/test_qwen_moe.py checks on
+the CPU that the transformed model computes what ExecuTorch's model computes with its Triton ops
+answered in fp32; tests/gpu/test_qwen_moe_cuda.py compares it with ExecuTorch's Triton kernels.
 
-Options (one table, OPTIONS, for both forms: each option's type, range or choices and the targets
-it applies to): `size` picks a row of cudabuild/models/qwen_moe.py's SIZES (tiny: fp32, 35b-a3b:
-bf16, random weights from `seed`: another seed is new weights for the same code, which
-compiles nothing); `layers` > 0 keeps only the first layers (0: every layer);
-`checkpoint` loads a Hugging Face directory instead (its config.json sets the shapes and dtype;
-it and the tensors it implies are checked before any stage runs). `max_seq_len` (the KV cache's
-length, and the longest prefill + 1) and `chunk` (the delta rule's prefill chunk) left at 0 come
-from the checkpoint (its max_position_embeddings, capped at MAX_SEQ_LEN_CAP; chunk CHECKPOINT_CHUNK)
-or else from the size; the values used are in the build's options (manifest.json). Two methods
-share `forward(tokens, input_pos) -> last-token logits [1, V]`: `decode` (one token) and `prefill`
-(T tokens, T symbolic in [2, max_seq_len - 1]: one graph).
+Options: one table for both forms (each option's type, range or choices, default and the targets it
+applies to; one of the other form is refused up front), one `resolve` (cudabuild/models/
+qwen35_moe.py) that fills in `max_seq_len` (and `chunk` on the CPU) and collects every problem.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
 
-import torch
-
-from cudabuild.errors import InvalidConfig, InvalidOption
-from cudabuild.models import qwen35_moe, qwen35_moe_fp32, qwen35_moe_quantize, qwen_moe, qwen_moe_checkpoint, qwen_moe_hf
+from cudabuild.models import qwen35_moe, qwen35_moe_fp32, qwen35_moe_plain, qwen35_moe_quantize
 from cudabuild.options import Option
 from cudabuild.recipe import Lowering, Method, Quantize, Recipe, Sampler
-
-# A checkpoint's own context (262144 for Qwen3.5) would size a KV cache and a prefill graph far
-# beyond what a build needs; ask for more with max_seq_len=N.
-MAX_SEQ_LEN_CAP = 4096
-# The delta rule's chunk for real checkpoints: the one of the 35b-a3b size (and of FLA's kernels).
-CHECKPOINT_CHUNK = 64
-# prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
-MIN_SEQ_LEN = 4
-# The longest context asked for: Qwen3.5's own (its max_position_embeddings).
-MAX_SEQ_LEN = 262_144
 
 CPU, CUDA = ("cpu",), ("cuda",)
 # Every option of both forms, once: its type (its default's), range or choices, and the targets it
 # applies to (none named: both). A value for an option of the other form is refused up front.
 OPTIONS = (
-    Option("size", "tiny", choices=tuple(qwen_moe.SIZES), help="a named size (random weights)"),
+    Option("size", "tiny", choices=tuple(qwen35_moe_quantize.SIZES),
+           help="a named size: tiny (the stock --tiny-test config) or 35b-a3b; random weights"),
     Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
     Option("checkpoint", "", folder=True, help="a Hugging Face checkpoint folder"),
     Option("prequantized", "", folder=True, targets=CUDA, help="a bundle of ExecuTorch's quantize_and_save.py"),
     Option("seed", 42, minimum=0, help="the random weights' seed (the stock --tiny-test's; another is new weights for the same code)"),
-    Option("max_seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN, meaning={0: "from the checkpoint or the size"},
-           help=f"the KV cache's length (and the longest prefill + 1): 0, or {MIN_SEQ_LEN} and more"),
+    Option("max_seq_len", 0, minimum=0, maximum=262_144, meaning={0: "from the checkpoint or the size"},
+           help=f"the KV cache's length (and the longest prefill + 1): 0, or {qwen35_moe.MIN_SEQ_LEN} and more"),
     Option("chunk", 0, minimum=0, targets=CPU, meaning={0: "from the checkpoint or the size"},
-           help="the delta rule's prefill chunk"),
+           help="the plain delta rule's prefill chunk"),
     Option("qlinear", "4w", choices=("4w", "8w", "8da4w"), targets=CUDA),
     Option("qlinear_group_size", 32, minimum=1, targets=CUDA),
     Option("qembedding", "", choices=("", "8w"), targets=CUDA),
@@ -75,73 +57,8 @@ OPTIONS = (
     Option("moe_activation_dtype", "bf16", choices=("bf16", "int8"), targets=CUDA),
     Option("splitk", True, targets=CUDA),
 )
-assert tuple(qwen_moe.SIZES) == tuple(qwen35_moe_quantize.SIZES)  # one size option for both forms
-CUDA_DEFAULTS = {o.name: o.default for o in OPTIONS if o.applies_to("cuda")}
-
-
-def resolve(options) -> dict:
-    """The options with max_seq_len and chunk filled in, every problem collected: a checkpoint's
-    config.json and its tensors' headers are checked here (cudabuild/models/qwen_moe_checkpoint.py),
-    before anything runs."""
-    out = dict(options)
-    size = qwen_moe.SIZES.get(options["size"])
-    if size is None:  # validated up front by the option's choices; also when build() is called directly
-        raise InvalidOption(f"qwen_moe: unknown size '{options['size']}'; known sizes: {', '.join(qwen_moe.SIZES)}")
-    problems = []
-    layers = int(options.get("layers") or 0)
-    max_seq_len, chunk = options.get("max_seq_len") or 0, options.get("chunk") or 0
-    if options.get("checkpoint"):
-        fields, found = qwen_moe_checkpoint.check_checkpoint(options["checkpoint"], "cpu", layers)
-        problems += found
-        limit = fields.get("max_position_embeddings")
-        if limit and max_seq_len > limit:
-            problems.append(f"qwen_moe option max_seq_len={max_seq_len}: the checkpoint's max_position_embeddings is {limit}")
-        max_seq_len = max_seq_len or min(limit or MAX_SEQ_LEN_CAP, MAX_SEQ_LEN_CAP)
-        chunk = chunk or CHECKPOINT_CHUNK
-    elif layers > size.n_layers:
-        problems.append(f"qwen_moe option layers={layers}: the size {options['size']} has {size.n_layers}")
-    max_seq_len, chunk = max_seq_len or size.max_seq_len, chunk or size.chunk
-    if max_seq_len < MIN_SEQ_LEN:
-        problems.append(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
-                        "(default 0: from the checkpoint or the size)")
-    if problems:
-        raise InvalidConfig(problems)
-    out.update(max_seq_len=max_seq_len, chunk=min(chunk, max_seq_len))
-    return out
-
-
-def resolve_cuda(options) -> dict:
-    return qwen35_moe.resolve(options, CUDA_DEFAULTS)
-
-
-def build(options) -> qwen_moe.Transformer:
-    options = resolve(options)
-    if options["checkpoint"]:
-        return qwen_moe_hf.from_checkpoint(
-            options["checkpoint"], max_seq_len=options["max_seq_len"], chunk=options["chunk"], n_layers=options["layers"]
-        )
-    sized = replace(qwen_moe.SIZES[options["size"]], max_seq_len=options["max_seq_len"], chunk=options["chunk"])
-    return qwen_moe.build(sized.with_layers(options["layers"]), seed=options["seed"])
-
-
-def decode_inputs(model):
-    return (torch.tensor([[1]], dtype=torch.long), torch.tensor([0], dtype=torch.long))
-
-
-def prefill_inputs(model):
-    # The longest prompt: AOTInductor sizes its hints (and ExecuTorch its buffers) from the example.
-    T = model.args.max_seq_len - 1
-    return (torch.arange(T, dtype=torch.long)[None, :] % model.args.vocab_size, torch.arange(T, dtype=torch.long))
-
-
-def prefill_shapes(model):
-    T = torch.export.Dim("T", min=2, max=model.args.max_seq_len - 1)
-    return ({1: T}, {0: T})
-
-
-def metadata(model):
-    args = model.args
-    return qwen35_moe.runner_metadata(args.max_seq_len, args.vocab_size, args.n_layers, model.state_buffer_names())
+# One resolve for both forms (the defaults say what a prequantized bundle must leave alone).
+resolve = functools.partial(qwen35_moe.resolve, defaults={o.name: o.default for o in OPTIONS})
 
 
 # ExecuTorch's Qwen3.5-MoE on its CUDA backend, as its export.py builds it.
@@ -157,7 +74,7 @@ CUDA = Recipe(
                sampler=Sampler(temperature_input=2)),
     ),
     options=OPTIONS,
-    resolve=resolve_cuda,
+    resolve=resolve,
     specs={
         # The stock exporter's: its int4 and Triton ops leave no ATen GEMM, so no autotuning; the
         # C++ wrapper at -O0 (it only launches kernels); no coordinate-descent tuning.
@@ -172,15 +89,15 @@ CUDA = Recipe(
 )
 
 RECIPE = Recipe(
-    build=build,
+    build=qwen35_moe_plain.build,
     methods=(
-        Method("decode", inputs=decode_inputs),
-        Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
+        Method("decode", inputs=qwen35_moe_plain.decode_inputs),
+        Method("prefill", inputs=qwen35_moe_plain.prefill_inputs, dynamic_shapes=qwen35_moe_plain.prefill_shapes),
     ),
     options=OPTIONS,
     resolve=resolve,
     specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
-    constant_methods=metadata,
+    constant_methods=qwen35_moe.metadata,
     targets={"cuda": CUDA},
     weights_options=("seed",),
 )

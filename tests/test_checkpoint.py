@@ -1,5 +1,7 @@
-"""Tests for cudabuild/models/checkpoint.py: the safetensors reader and writer, and loading a Hugging Face
-checkpoint of the tiny qwen_moe model (written here under Hugging Face names) into a fresh model."""
+"""Tests for cudabuild/models/checkpoint.py: the safetensors reader and writer; and loading a Hugging
+Face checkpoint of the tiny qwen_moe (written by cudabuild/models/qwen35_moe_hf.py) through the one
+loader both forms use, ExecuTorch's lazy subset reader a part at a time (qwen35_moe_quantize
+`weight_parts`), into the CPU form."""
 
 from __future__ import annotations
 
@@ -11,32 +13,24 @@ import pytest
 import torch
 
 from cudabuild.models import checkpoint as ck
+from cudabuild.models import qwen35_moe_hf as hf
+from cudabuild.models import qwen35_moe_plain as plain
 from cudabuild.models.checkpoint import CheckpointError
-from cudabuild.errors import CudabuildError
-from cudabuild.models import qwen_moe as qm
-from cudabuild.models import qwen_moe_hf as qhf
 
-ARGS = qm.SIZES["tiny"]
-PREFIX = "model.language_model."
+PREFIX = hf.PREFIX
 
 
-@pytest.fixture(scope="module")
-def source():
-    return qm.build(ARGS, seed=0)
+def load(path, layers=0, max_seq_len=64):
+    return plain.build({"size": "tiny", "layers": layers, "checkpoint": str(path), "seed": 0,
+                        "max_seq_len": max_seq_len, "chunk": 8})
 
 
-def write(path, source, fused=False, shards=2, edit=None, tie=False):
-    """A Hugging Face checkpoint of `source` at `path`; `edit(tensors)` may change it first."""
-    tensors = ck.gather_tensors(source, qhf.hf_targets(ARGS, PREFIX, fused_experts=fused))
-    tensors["mtp.fc.weight"] = torch.zeros(2, 2)  # a part of real checkpoints the text model skips
-    if edit:
-        edit(tensors)
-    ck.save_checkpoint(path, tensors, qhf.hf_config(ARGS, torch.float32), shards=shards)
-    return path
+def stock(path):
+    """ExecuTorch's own whole-model loader, the reference for what the checkpoint holds."""
+    from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-
-def load(path, n_layers=0):
-    return qhf.from_checkpoint(path, max_seq_len=ARGS.max_seq_len, chunk=ARGS.chunk, n_layers=n_layers)
+    model, _ = Qwen35MoE.from_hf_checkpoint(str(path), max_seq_len=64)
+    return dict(model.named_parameters())
 
 
 def logits(model, tokens):
@@ -44,12 +38,16 @@ def logits(model, tokens):
         return model(tokens[None], torch.arange(tokens.shape[0]))
 
 
-TOKENS = torch.arange(11) * 37 % ARGS.vocab_size
+TOKENS = torch.arange(11) * 37 % 256
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory, source):
-    return write(tmp_path_factory.mktemp("ckpt") / "sharded", source)
+def sharded(tmp_path_factory):
+    """Per-expert tensors in two shards, with a multi-token-prediction head the text model skips."""
+    def mtp(tensors):
+        tensors["mtp.fc.weight"] = torch.zeros(2, 2)
+
+    return hf.save(tmp_path_factory.mktemp("ckpt") / "sharded", fused=False, shards=2, edit=mtp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,98 +100,50 @@ def test_a_file_the_library_refuses_is_named_in_one_line(tmp_path):
 # Loading a Hugging Face checkpoint
 
 
-def test_sharded_per_expert_checkpoint_loads_into_an_equal_model(sharded, source):
-    files = sorted(os.listdir(sharded))
-    assert files == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                     "model.safetensors.index.json"]
-    model = load(sharded)
-    for (name, want), got in zip(source.named_parameters(), model.parameters()):
-        assert torch.equal(got, want), name
-    assert torch.equal(logits(model, TOKENS), logits(source, TOKENS))
+def test_a_sharded_per_expert_checkpoint_loads_what_the_stock_loader_loads(sharded):
+    assert sorted(os.listdir(sharded)) == ["config.json", "model-00001-of-00002.safetensors",
+                                           "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    model, want = load(sharded), stock(sharded)
+    got = dict(model.named_parameters())
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
 
 
-def test_single_file_fused_expert_checkpoint_loads(tmp_path, source):
-    model = load(write(tmp_path / "single", source, fused=True, shards=1))
+def test_a_single_file_fused_expert_checkpoint_loads_the_same_weights(tmp_path, sharded):
+    tensors = ck.load_file(sharded / "model-00001-of-00002.safetensors")
+    tensors.update(ck.load_file(sharded / "model-00002-of-00002.safetensors"))
+    del tensors["mtp.fc.weight"]
+    for i in range(4):  # the same experts, fused as transformers saves them
+        p = f"{PREFIX}layers.{i}.mlp.experts."
+        gate = torch.stack([tensors.pop(f"{p}{e}.gate_proj.weight") for e in range(8)])
+        up = torch.stack([tensors.pop(f"{p}{e}.up_proj.weight") for e in range(8)])
+        tensors[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+        tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
+    ck.save_checkpoint(tmp_path / "single", tensors, json.loads((sharded / "config.json").read_text()))
     assert (tmp_path / "single" / "model.safetensors").is_file()
-    assert torch.equal(logits(model, TOKENS), logits(source, TOKENS))
+    fused, per_expert = load(tmp_path / "single"), load(sharded)
+    other = dict(per_expert.named_parameters())
+    assert all(torch.equal(t, other[name]) for name, t in fused.named_parameters())
+    torch.testing.assert_close(logits(fused, TOKENS), logits(per_expert, TOKENS))
 
 
-def test_bf16_checkpoint_loads_into_a_bf16_model(tmp_path, source):
-    def to_bf16(tensors):
-        for name in tensors:
-            tensors[name] = tensors[name].bfloat16()
-
-    path = write(tmp_path / "bf16", source, edit=to_bf16)
-    config = json.loads((path / "config.json").read_text())
-    config["dtype"] = "bfloat16"
-    (path / "config.json").write_text(json.dumps(config))
+def test_a_bf16_checkpoint_loads_into_a_bf16_model(tmp_path):
+    path = hf.save(tmp_path / "bf16", hf.config_json(dtype="bfloat16"))
     model = load(path)
-    assert model.tok_embeddings.weight.dtype == torch.bfloat16
-    assert model.layers[0].attn.A_log.dtype == torch.float32  # kept in fp32 whatever the checkpoint
-    assert torch.equal(model.layers[0].moe.w_gate_up, source.layers[0].moe.w_gate_up.bfloat16())
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.layers[0].attn.recurrent_state.dtype == torch.bfloat16
+    want = stock(path)
+    assert torch.equal(model.layers[0].mlp.experts.w1_weight, want["layers.0.mlp.experts.w1_weight"])
 
 
-def test_config_fields_that_change_the_numbers_reach_the_model(tmp_path, source):
-    path = write(tmp_path / "yarn", source)
-    config = json.loads((path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
-                                 "original_max_position_embeddings": 32}  # no partial_rotary_factor: 0.25
-    config["hidden_act"] = "gelu_pytorch_tanh"
-    (path / "config.json").write_text(json.dumps(config))
-    args = load(path).args
-    assert (args.rope_type, args.rope_factor, args.rope_original_max, args.rope_fraction) == ("yarn", 4.0, 32, 0.25)
-    assert args.hidden_act == "gelu_pytorch_tanh"
-    assert not torch.equal(logits(load(path), TOKENS), logits(source, TOKENS))
+def test_a_tied_text_only_checkpoint_gets_its_lm_head_from_the_embedding(tmp_path):
+    path = hf.save(tmp_path / "tied", hf.config_json(tie_word_embeddings=True), prefix="model.")
+    model = load(path)
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
 
 
-def test_layer_cut_reads_only_the_first_layers(sharded, source):
-    model = load(sharded, n_layers=2)
-    assert len(model.layers) == 2
-    assert torch.equal(model.layers[1].attn.wq.weight, source.layers[1].attn.wq.weight)
-
-
-def test_missing_tensor_is_named_with_the_index(tmp_path, source):
-    name = PREFIX + "layers.2.mlp.experts.5.up_proj.weight"
-    path = write(tmp_path / "c", source, edit=lambda t: t.pop(name))
-    with pytest.raises(CheckpointError, match=f"missing tensor '{name}' in .*model.safetensors.index.json"):
-        load(path)
-
-
-def test_unexpected_tensor_is_named_with_its_file(tmp_path, source):
-    name = PREFIX + "layers.0.self_attn.q_proj.weight"  # layer 0 is a linear-attention layer
-    path = write(tmp_path / "c", source, edit=lambda t: t.update({name: torch.zeros(4, 4)}))
-    with pytest.raises(CheckpointError, match=f"unexpected tensor '{name}' in .*model-0000[12]-of-00002.safetensors"):
-        load(path)
-
-
-def test_misshaped_tensor_is_named_with_its_file_and_both_shapes(tmp_path, source):
-    name = PREFIX + "layers.1.self_attn.k_proj.weight"
-    path = write(tmp_path / "c", source, edit=lambda t: t.update({name: torch.zeros(63, 128)}))
-    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in .*\.safetensors has shape \[63, 128\], expected \[64, 128\]"):
-        load(path)
-
-
-def test_truncated_shard_is_named(tmp_path, source):
-    path = write(tmp_path / "c", source)
-    shard = path / "model-00002-of-00002.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match=f"{shard}: truncated safetensors file"):
-        load(path)
-
-
-def test_missing_config_is_named(tmp_path, source):
-    path = write(tmp_path / "c", source)
-    (path / "config.json").unlink()
-    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
-        load(path)
-
-
-def test_missing_directory_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match=f"{tmp_path / 'nope'}: checkpoint directory not found"):
-        load(tmp_path / "nope")
-
-
-def test_errors_are_one_line_cudabuild_errors(tmp_path):
-    with pytest.raises(CudabuildError) as info:
-        load(tmp_path / "nope")
-    assert "\n" not in str(info.value)
+def test_layer_cut_reads_only_the_first_layers(sharded):
+    cut, whole = load(sharded, layers=2), load(sharded)
+    assert len(cut.layers) == 2
+    assert torch.equal(cut.layers[1].attn.qkv_proj.weight, whole.layers[1].attn.qkv_proj.weight)

@@ -28,6 +28,7 @@ from conftest import REPO, Project, assert_ok, new_project
 from cudabuild.config import load_config
 from cudabuild.engine import cluster
 from cudabuild.engine.graph import Stage
+from cudabuild.engine import admission
 from cudabuild.engine.runner import Runner
 from cudabuild.engine.store import Store
 from cudabuild.errors import InvalidOption
@@ -110,15 +111,15 @@ def test_resources_come_from_the_pipeline_table_and_the_command_line(built_tiny,
     # The table's rule on cuda (compile, reference and verify, and the probe, ask the device), without a GPU:
     cuda = dataclasses.replace(cpu, target="cuda")
     on_cuda, on_cpu = Runner(cuda, store, "r"), Runner(cpu, store, "r")
-    asked = {s.id: on_cuda.resources(s, {"stage": s.kind}) for s in cpu.pipeline.plan(cuda)}
+    asked = {s.id: admission.resources(on_cuda, s, {"stage": s.kind}) for s in cpu.pipeline.plan(cuda)}
     assert {s for s, r in asked.items() if r.get("GPU") == 1} == {"probe", "compile.decode", "compile.prefill",
                                                                    "blob.decode", "blob.prefill",
                                                                    "reference.decode", "reference.prefill",
                                                                    "verify.decode", "verify.prefill"}
     # On cpu nothing asks a GPU; memory is the admission's estimate (here: the last run's peak).
     compile_decode = Stage("compile", "decode")
-    asked = on_cpu.resources(compile_decode, on_cpu.inputs(compile_decode))
-    assert "GPU" not in asked and asked["MEMORY"] == on_cpu.memory_estimate(compile_decode, on_cpu.inputs(compile_decode)) > 0
+    asked = admission.resources(on_cpu, compile_decode, on_cpu.inputs(compile_decode))
+    assert "GPU" not in asked and asked["MEMORY"] == admission.memory_estimate(on_cpu, compile_decode, on_cpu.inputs(compile_decode)) > 0
     store.close()
     assert cluster.parse_resources("compile:GPU=1, verify:GPU=1,export:BIG=2") == {
         "compile": {"GPU": 1.0}, "verify": {"GPU": 1.0}, "export": {"BIG": 2.0}}

@@ -72,34 +72,29 @@ def test_what_resolve_refuses_comes_with_the_options_problems(store):
 
 def test_qwen_moe_lengths_come_from_the_size_and_are_in_the_options(store):
     assert dict(load_config(REPO, {"model": "qwen_moe", "target": "cpu"}, store).options) == {
-        "size": "tiny", "layers": 0, "seed": 42, "checkpoint": "", "max_seq_len": 128, "chunk": 8}
+        "size": "tiny", "layers": 0, "checkpoint": "", "seed": 42, "max_seq_len": 64, "chunk": 8}
     sized = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "size": "35b-a3b", "layers": "2"}, store).options
     assert (sized["max_seq_len"], sized["chunk"]) == (4096, 64)
     asked = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "max_seq_len": "256", "chunk": "16"}, store).options
     assert (asked["max_seq_len"], asked["chunk"]) == (256, 16)
+    cuda = load_config(REPO, {"model": "qwen_moe", "target": "cuda"}, store).options
+    assert cuda["max_seq_len"] == 64 and "chunk" not in cuda  # one resolve, the same size table
 
 
 def tiny_checkpoint(folder, edit=None, **changes):
     """A real checkpoint of the tiny qwen_moe (random weights, Hugging Face names and layout), its
     config.json's fields changed by `changes`; `edit(tensors)` may change its tensors first."""
-    import torch
+    from cudabuild.models import qwen35_moe_hf
 
-    from cudabuild.models import checkpoint, qwen_moe, qwen_moe_hf
-
-    args = qwen_moe.SIZES["tiny"]
-    tensors = checkpoint.gather_tensors(qwen_moe.build(args, seed=0), qwen_moe_hf.hf_targets(args))
-    if edit:
-        edit(tensors)
-    config = qwen_moe_hf.hf_config(args, torch.float32)
-    config.update(changes)
-    checkpoint.save_checkpoint(folder, tensors, config)
+    qwen35_moe_hf.save(folder, edit=edit)
+    qwen35_moe_hf.write_config(folder, qwen35_moe_hf.config_json(**changes))  # fields the tensors do not follow
     return folder
 
 
 def test_qwen_moe_lengths_come_from_the_checkpoint_capped(store, tmp_path):
     long = tiny_checkpoint(tmp_path / "long", max_position_embeddings=262_144)
     options = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(long)}, store).options
-    assert (options["max_seq_len"], options["chunk"]) == (4096, 64)  # not the tiny size's 128 and 8
+    assert (options["max_seq_len"], options["chunk"]) == (4096, 64)  # not the tiny size's 64 and 8
     short = tiny_checkpoint(tmp_path / "short", max_position_embeddings=256)
     options = load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(short)}, store).options
     assert (options["max_seq_len"], options["chunk"]) == (256, 64)
@@ -127,7 +122,7 @@ def test_resolved_options_are_memoised_so_a_second_load_imports_no_torch(tmp_pat
             for _ in range(2)]
     outputs = [r.stdout.strip() for r in runs]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    expected = "[('checkpoint', ''), ('chunk', 8), ('layers', 2), ('max_seq_len', 128), ('seed', 42), ('size', 'tiny')]"
+    expected = "[('checkpoint', ''), ('chunk', 8), ('layers', 2), ('max_seq_len', 64), ('seed', 42), ('size', 'tiny')]"
     assert outputs == [f"{expected} True", f"{expected} False"]
 
 
@@ -150,17 +145,17 @@ def test_a_checkpoints_check_is_memoised_by_its_headers_so_a_touch_imports_no_to
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip()
 
-    assert [load(), load()] == ["128 True", "128 False"]
+    assert [load(), load()] == ["64 True", "64 False"]
     os.utime(folder / "model.safetensors")
-    assert load() == "128 False"
+    assert load() == "64 False"
 
     def narrower(tensors):
-        tensors["lm_head.weight"] = tensors["lm_head.weight"][:1000].clone()
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:200].clone()
 
     shutil.rmtree(folder)
     tiny_checkpoint(folder, edit=narrower)
-    assert load() == str([f"tensor 'lm_head.weight' in {folder}/model.safetensors has shape [1000, 128], "
-                          "config.json implies [1024, 128]"])
+    assert load() == str([f"tensor 'lm_head.weight' in {folder}/model.safetensors has shape [200, 128], "
+                          "config.json implies [256, 128]"])
 
 
 # -- each class of bad input, end to end: `doit export` in a project with a finished build ----------

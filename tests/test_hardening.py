@@ -392,15 +392,9 @@ def test_damaged_doit_db_is_rebuilt_from_the_store(built_tiny, tiny_copy, damage
 
 
 def _checkpoint(folder, damage):
-    import torch
+    from cudabuild.models import qwen35_moe_hf
 
-    from cudabuild.models import checkpoint as ck
-    from cudabuild.models import qwen_moe as qm
-    from cudabuild.models import qwen_moe_hf as qhf
-
-    args = qm.SIZES["tiny"]
-    tensors = ck.gather_tensors(qm.build(args, seed=0), qhf.hf_targets(args, fused_experts=False))
-    ck.save_checkpoint(folder, tensors, qhf.hf_config(args, torch.float32))
+    qwen35_moe_hf.save(folder, fused=False)
     if damage == "no-config":
         (folder / "config.json").unlink()
     else:

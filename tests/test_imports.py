@@ -121,3 +121,26 @@ def test_the_engine_imports_nothing_above_it():
                 if any(target == above or target.startswith(above + ".") for above in ABOVE_THE_ENGINE):
                     reaching.setdefault(f"{path.relative_to(REPO)}:{line}", target)
     assert not reaching, "the engine reaches up: " + "; ".join(f"{at} imports {what}" for at, what in reaching.items())
+
+
+def test_no_storage_tier_imports_the_console_or_knows_inductor():
+    """A tier stores records, blobs and leases; what it warns through and what inductor reads are its
+    caller's (cudabuild.engine.store hands it the console's warning, the compile stage sets inductor's
+    variables)."""
+    reaching = []
+    for name, path in module_files().items():
+        if name.startswith("cudabuild.engine.tiers"):
+            reaching += [f"{path.relative_to(REPO)}:{line} imports {target}" for line, target in _imported_names(name, path)
+                         if target.startswith("cudabuild.engine.console")]
+            if "TORCHINDUCTOR_" in path.read_text():
+                reaching.append(f"{path.relative_to(REPO)} names inductor's variables")
+    assert not reaching, "; ".join(reaching)
+
+
+def test_a_stage_describes_itself_without_the_runner():
+    """Backend stages take a StageContext and return a StageResult (cudabuild.engine.context); the
+    runner, which decides and stores, is the engine's."""
+    graph = import_graph()
+    stages = [name for name in graph if name.startswith("cudabuild.backend")]
+    assert stages and not [name for name in stages if "cudabuild.engine.runner" in graph[name]]
+    assert "cudabuild.engine.runner" not in graph["cudabuild.engine.context"]

@@ -246,17 +246,11 @@ def test_drawn_weights_are_the_same_tensors_whatever_the_number_of_layers(tmp_pa
 def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_does(tmp_path):
     """The streamed quantizer reads a checkpoint a part at a time (ExecuTorch's lazy subset reader);
     its bundle holds exactly what the stock whole-model path makes of the same checkpoint."""
-    from dataclasses import replace
-
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    from cudabuild.models import checkpoint as ck
-    from cudabuild.models import qwen_moe as qm
-    from cudabuild.models import qwen_moe_hf as qhf
+    from cudabuild.models import qwen35_moe_hf
 
-    args = replace(qm.SIZES["tiny"], dtype=torch.bfloat16, max_seq_len=64)
-    tensors = {k: v.to(torch.bfloat16) for k, v in ck.gather_tensors(qm.build(args, seed=3), qhf.hf_targets(args)).items()}
-    ck.save_checkpoint(tmp_path / "ckpt", tensors, qhf.hf_config(args, torch.bfloat16), shards=2)
+    qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"), shards=2, seed=3)
     options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
     config = quant.model_config(options)
     quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")
@@ -294,6 +288,7 @@ def test_the_fp32_truth_computes_prefill_and_token_by_token_decode_alike(bundle)
     assert at_once["runs"] == 1 + fp32.NOISY_RUNS
     assert sorted(at_once["envelope"]["states"]) == sorted(at_once["truth"]["states"])
     assert min(at_once["envelope"]["states"].values()) > 1e-5  # bf16 strays further than fp32's own rounding
+    assert len(at_once["envelope"]["deviations"]) == 1 and at_once["envelope"]["deviations"][0] > 1e-5
 
 
 def test_verify_judges_by_the_truth_where_there_is_one():
@@ -316,6 +311,24 @@ def test_verify_judges_by_the_truth_where_there_is_one():
     # Without a truth, the same compiled state is judged against the eager run, as before.
     assert not sampled_logits.judge(eager, [torch.tensor([[2]])], {"s": eager_state}, {"s": torch.full((4, 8), -0.6)},
                                     0.05)["passed"]
+
+
+def test_a_token_is_allowed_what_bf16s_logit_deviation_allows():
+    """Flat logits: the bf16 runs all chose near the best (gap 0.1), but their logits strayed up to
+    0.4 from the truth's, so a program that close may pick a token up to 0.8 below the best
+    (2 x 0.4); 0.9 below is further than any logits that close can choose."""
+    logits = torch.tensor([3.0, 2.25, 2.1, -1.0])
+    truth = {"truth": {"logits": [logits], "states": {}},
+             "envelope": {"states": {}, "gaps": [0.1], "deviations": [0.4]}}
+    eager = [(torch.tensor([[0]]), logits)]
+    within = sampled_logits.judge(eager, [torch.tensor([[1]])], {}, {}, 0.005, truth=truth)
+    assert within["passed"] and within["steps"][0]["allowed"] == pytest.approx(0.8)
+    assert within["steps"][0]["bf16_logit_deviation"] == pytest.approx(0.4)
+    beyond = sampled_logits.judge(eager, [torch.tensor([[2]])], {}, {}, 0.005, truth=truth)
+    assert not beyond["passed"] and beyond["steps"][0]["truth_gap"] == pytest.approx(0.9)
+    # Without the deviations (a truth stored before them), only the picks' spread counts.
+    del truth["envelope"]["deviations"]
+    assert not sampled_logits.judge(eager, [torch.tensor([[1]])], {}, {}, 0.005, truth=truth)["passed"]
 
 
 def test_an_eager_reference_far_outside_bf16s_spread_is_called_wrong_not_the_compiled_code():

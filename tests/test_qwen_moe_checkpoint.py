@@ -1,37 +1,30 @@
 """Tests for cudabuild/models/qwen_moe_checkpoint.py: config.json's fields checked against one table
-(type, range, choices per form, how fields relate), and the tensors they imply checked against the
+(type, range, choices, how fields relate), and the tensors they imply checked against the
 safetensors headers, reading no tensor data; every problem collected, one line each."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
 
-from cudabuild.models import checkpoint as ck
-from cudabuild.models import qwen_moe as qm
+from cudabuild.models import qwen35_moe_hf as hf
 from cudabuild.models import qwen_moe_checkpoint as qc
-from cudabuild.models import qwen_moe_hf as qhf
 from cudabuild.models import safetensors_parts
 
-TINY = qm.SIZES["tiny"]
-PREFIX = "model.language_model."
+PREFIX = hf.PREFIX
 
 
-def write(path, args=TINY, fused=True, shards=1, prefix=PREFIX, edit=None, **changes):
-    """A checkpoint of a model of `args`, as a Hugging Face one lays it out."""
-    model = qm.build(args, seed=0)
-    tensors = ck.gather_tensors(model, qhf.hf_targets(args, prefix, fused_experts=fused))
-    tensors["mtp.fc.weight"] = torch.zeros(2, 2)  # a part of real checkpoints neither form reads
-    if edit:
-        edit(tensors)
-    config = qhf.hf_config(args)
-    config.update(changes)
-    ck.save_checkpoint(path, tensors, config, shards=shards)
-    return path
+def write(path, config=None, fused=True, shards=1, prefix=PREFIX, edit=None, **changes):
+    """A checkpoint of the tiny size (or `config`), as a Hugging Face one lays it out."""
+    def edited(tensors):
+        tensors["mtp.fc.weight"] = torch.zeros(2, 2)  # a part of real checkpoints the model does not read
+        if edit:
+            edit(tensors)
+
+    return hf.save(path, config or hf.config_json(**changes), prefix=prefix, fused=fused, shards=shards, edit=edited)
 
 
 @pytest.fixture(scope="module")
@@ -39,39 +32,42 @@ def good(tmp_path_factory):
     return write(tmp_path_factory.mktemp("ckpt") / "good", shards=2)
 
 
-def test_the_table_knows_what_the_plain_pytorch_form_implements():
-    assert qc.ACTIVATIONS == tuple(qm.ACTIVATIONS) and qc.ROPE_TYPES == qm.ROPE_TYPES
-
-
-@pytest.mark.parametrize("args, fused, layers", [
-    pytest.param(TINY, True, 0, id="tiny-fused"),
-    pytest.param(TINY, False, 0, id="tiny-per-expert"),
-    pytest.param(replace(TINY, tie_embeddings=True), True, 3, id="tied-3-layers"),
-    pytest.param(qm.SIZES["35b-a3b"], False, 4, id="35b-a3b-4-layers"),
+@pytest.mark.parametrize("fused, changes", [
+    pytest.param(True, {}, id="tiny-fused"),
+    pytest.param(False, {}, id="tiny-per-expert"),
+    pytest.param(True, {"tie_word_embeddings": True}, id="tied"),
 ])
-def test_the_implied_tensors_are_those_the_loader_fills(args, fused, layers):
-    """Names and shapes from the fields alone are what qwen_moe_hf maps onto the model's parameters."""
+def test_the_implied_tensors_are_those_executorchs_loader_fills(tmp_path, fused, changes):
+    """A checkpoint of exactly the tensors the fields imply fills every parameter of ExecuTorch's
+    model through its own loader, and nothing is left over."""
+    from executorch.examples.models.qwen3_5_moe.model import _load_and_remap_checkpoint, Qwen35MoE, Qwen35MoEConfig
+
+    folder = hf.save(tmp_path / "ckpt", hf.config_json(**changes), fused=fused)
+    config = Qwen35MoEConfig.from_hf_config(str(folder / "config.json"))
     with torch.device("meta"):
-        model = qm.build(args.with_layers(layers), seed=None)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {name: list(t.view(params).shape) for name, t in qhf.hf_targets(model.args, PREFIX, fused).items()}
-    fields, problems = qc.checked_fields(qhf.hf_config(args), "cpu")
-    assert problems == []
-    assert qc.expected_tensors(fields, PREFIX, fused, layers) == loaded
+        model = Qwen35MoE(config)
+    state = _load_and_remap_checkpoint(str(folder), config)
+    assert sorted(state) == sorted(name for name, _ in model.named_parameters())
+    assert all(list(state[n].shape) == list(p.shape) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("form", qc.FORMS)
-@pytest.mark.parametrize("kind", ["sharded", "per-expert", "tied-text-only", "bf16-gelu"])
-def test_checkpoints_written_as_hugging_face_writes_them_pass(tmp_path, kind, form):
+def test_a_cut_implies_the_tensors_of_a_model_that_deep():
+    config = hf.config_json(size="35b-a3b")
+    three = hf.config_json(size="35b-a3b", num_hidden_layers=3, layer_types=config["layer_types"][:3])
+    assert hf.tensor_shapes(config, fused=False, layers=3) == hf.tensor_shapes(three, fused=False)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "per-expert", "tied-text-only", "bf16"])
+def test_checkpoints_written_as_hugging_face_writes_them_pass(tmp_path, kind):
     if kind == "sharded":
         folder = write(tmp_path / kind, shards=3)
     elif kind == "per-expert":
         folder = write(tmp_path / kind, fused=False)
     elif kind == "tied-text-only":
-        folder = write(tmp_path / kind, replace(TINY, tie_embeddings=True), prefix="model.")
+        folder = write(tmp_path / kind, prefix="model.", tie_word_embeddings=True)
     else:  # the delta rule's decay stays float32 beside bfloat16 weights
-        folder = write(tmp_path / kind, replace(TINY, dtype=torch.bfloat16, hidden_act="silu" if form == "cuda" else "gelu"))
-    fields, problems = qc.check_checkpoint(folder, form)
+        folder = write(tmp_path / kind, dtype="bfloat16")
+    fields, problems = qc.check_checkpoint(folder)
     assert problems == [] and fields["num_hidden_layers"] == 4
 
 
@@ -100,60 +96,52 @@ def test_the_check_reads_headers_and_never_tensor_data(good, monkeypatch):
             self.file.close()
 
     monkeypatch.setattr(safetensors_parts, "open", Counting, raising=False)
-    assert qc.check_checkpoint(good, "cpu")[1] == []
+    assert qc.check_checkpoint(good)[1] == []
     assert sorted(read) == sorted(spans)
     for shard, (start, size) in spans.items():
         assert read[shard] == start < size  # the header's length and the header, once: no tensor byte
 
 
 def config_of(**changes):
-    c = qhf.hf_config(TINY)
-    for name, value in changes.items():
-        if value is None:
-            c.pop(name, None)
-        else:
-            c[name] = value
-    return c
+    return hf.config_json(**changes)
 
 
-@pytest.mark.parametrize("changes, form, problem", [
-    (dict(hidden_size="banana"), "cpu", "hidden_size='banana' is not an integer; expected an integer >= 1"),
-    (dict(num_attention_heads=0), "cpu", "num_attention_heads=0 is out of range; expected an integer >= 1"),
-    (dict(vocab_size=True), "cpu", "vocab_size=true is not an integer; expected an integer >= 1"),
-    (dict(num_experts=8.0), "cpu", "num_experts=8.0 is not an integer; expected an integer >= 1"),
-    (dict(rms_norm_eps=0), "cpu", "rms_norm_eps=0 is out of range; expected a number > 0"),
-    (dict(partial_rotary_factor=1.5), "cpu", "partial_rotary_factor=1.5 is out of range; expected a number > 0 <= 1"),
-    (dict(moe_intermediate_size=None), "cpu", "missing 'moe_intermediate_size' (a Qwen3.5-MoE text config needs it)"),
-    (dict(tie_word_embeddings="yes"), "cpu", "tie_word_embeddings='yes' is not true or false; expected true or false"),
-    (dict(dtype="int8"), "cpu", "dtype='int8' is not supported; supported: float32, float16, bfloat16, float64"),
-    (dict(layer_types="full"), "cpu", "layer_types='full' is not a list; expected a list"),
-    (dict(rope_parameters=[]), "cpu", "rope_parameters=[] is not a JSON object; expected a JSON object"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": "2"}), "cpu",
+@pytest.mark.parametrize("changes, problem", [
+    (dict(hidden_size="banana"), "hidden_size='banana' is not an integer; expected an integer >= 1"),
+    (dict(num_attention_heads=0), "num_attention_heads=0 is out of range; expected an integer >= 1"),
+    (dict(vocab_size=True), "vocab_size=true is not an integer; expected an integer >= 1"),
+    (dict(num_experts=8.0), "num_experts=8.0 is not an integer; expected an integer >= 1"),
+    (dict(rms_norm_eps=0), "rms_norm_eps=0 is out of range; expected a number > 0"),
+    (dict(partial_rotary_factor=1.5), "partial_rotary_factor=1.5 is out of range; expected a number > 0 <= 1"),
+    (dict(moe_intermediate_size=None), "missing 'moe_intermediate_size' (a Qwen3.5-MoE text config needs it)"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings='yes' is not true or false; expected true or false"),
+    (dict(dtype="int8"), "dtype='int8' is not supported; supported: float32, float16, bfloat16, float64"),
+    (dict(layer_types="full"), "layer_types='full' is not a list; expected a list"),
+    (dict(rope_parameters=[]), "rope_parameters=[] is not a JSON object; expected a JSON object"),
+    (dict(rope_parameters={"rope_type": "default", "factor": "2"}),
      "rope_parameters.factor='2' is not a number; expected a number > 0"),
-    (dict(hidden_act="gelu"), "cuda", "hidden_act='gelu' is not supported on target cuda; supported: silu"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "cuda",
-     "rope_parameters.rope_type='linear' is not supported on target cuda; supported: default"),
-    (dict(num_key_value_heads=3), "cpu", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
-    (dict(num_experts_per_tok=9), "cpu", "num_experts_per_tok=9 is more than num_experts=8"),
-    (dict(head_dim=3), "cpu", "head_dim=3 x partial_rotary_factor=0.25 rotates 0 dims; expected an even number >= 2"),
-    (dict(layer_types=["full_attention"] * 3), "cpu", "layer_types lists 3 layers, num_hidden_layers is 4"),
-    (dict(full_attention_interval=None, layer_types=["linear_attention"] * 4), "cpu",
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; supported: silu"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     "rope_parameters.rope_type='linear' is not supported; supported: default"),
+    (dict(num_key_value_heads=3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9 is more than num_experts=8"),
+    (dict(head_dim=3), "head_dim=3 x partial_rotary_factor=0.25 rotates 0 dims; expected an even number >= 2"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types lists 3 layers, num_hidden_layers is 4"),
+    (dict(full_attention_interval=None, layer_types=["linear_attention"] * 4),
      "neither full_attention_interval nor a layer_types list with a full_attention layer"),
 ])
-def test_each_field_has_a_type_and_a_range(changes, form, problem):
-    assert qc.checked_fields(config_of(**changes), form, "c.json")[1] == ["c.json: " + problem]
+def test_each_field_has_a_type_and_a_range(changes, problem):
+    assert qc.checked_fields(config_of(**changes), "c.json")[1] == ["c.json: " + problem]
 
 
-def test_a_pattern_of_layers_only_the_cpu_form_cannot_follow():
+def test_any_pattern_of_layers_is_followed():
     irregular = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
-    assert qc.checked_fields(config_of(layer_types=irregular), "cuda")[1] == []
-    assert qc.checked_fields(config_of(layer_types=irregular), "cpu")[1] == [
-        "config.json: layer_types with full_attention at layers 1, 2 is not supported; supported: one full_attention "
-        "layer every N layers, the last of each N (full_attention_interval=N)"]
+    fields, problems = qc.checked_fields(config_of(layer_types=irregular))
+    assert problems == [] and fields["layer_types"] == irregular
 
 
 def test_every_problem_of_a_config_is_reported_at_once():
-    problems = qc.checked_fields(config_of(hidden_size="x", num_experts=0, attention_bias=True, vocab_size=None), "cpu")[1]
+    problems = qc.checked_fields(config_of(hidden_size="x", num_experts=0, attention_bias=True, vocab_size=None))[1]
     assert problems == [
         "config.json: missing 'vocab_size' (a Qwen3.5-MoE text config needs it)",
         "config.json: hidden_size='x' is not an integer; expected an integer >= 1",
@@ -164,7 +152,7 @@ def test_every_problem_of_a_config_is_reported_at_once():
 
 @pytest.mark.parametrize("config", [[1, 2], "x", 3, None])
 def test_a_config_that_is_not_an_object_is_one_line(config):
-    problems = qc.checked_fields(config, "cpu")[1]
+    problems = qc.checked_fields(config)[1]
     assert len(problems) == 1 and problems[0].startswith("config.json: not a JSON object")
 
 
@@ -197,7 +185,7 @@ def damaged(good, tmp_path, how):
 @pytest.mark.parametrize("how", ["missing", "listed-elsewhere", "no-shard", "index"])
 def test_the_files_must_hold_what_the_index_lists(good, tmp_path, how):
     folder, expected = damaged(good, tmp_path, how)
-    assert qc.check_checkpoint(folder, "cpu")[1] == expected
+    assert qc.check_checkpoint(folder)[1] == expected
 
 
 def test_every_tensor_problem_is_named_with_its_file(tmp_path):
@@ -211,7 +199,7 @@ def test_every_tensor_problem_is_named_with_its_file(tmp_path):
 
     folder = write(tmp_path / "ckpt", edit=edit)
     file = folder / "model.safetensors"
-    assert qc.check_checkpoint(folder, "cpu")[1] == [
+    assert qc.check_checkpoint(folder)[1] == [
         f"unexpected tensor '{PREFIX}layers.0.mlp.extra' in {file}: a Qwen3.5-MoE checkpoint of this config.json has "
         "no such weight",
         f"missing tensor '{norm}' in {folder}",
@@ -226,9 +214,9 @@ def test_a_cut_reads_and_checks_only_the_layers_it_keeps(tmp_path):
         tensors[name] = tensors[name][:7].clone()
 
     folder = write(tmp_path / "ckpt", edit=break_layer_3)
-    assert qc.check_checkpoint(folder, "cpu", layers=3)[1] == []
-    assert len(qc.check_checkpoint(folder, "cpu")[1]) == 1
-    assert qc.check_checkpoint(folder, "cpu", layers=5)[1] == ["qwen_moe option layers=5: the checkpoint has 4"]
+    assert qc.check_checkpoint(folder, layers=3)[1] == []
+    assert len(qc.check_checkpoint(folder)[1]) == 1
+    assert qc.check_checkpoint(folder, layers=5)[1] == ["qwen_moe option layers=5: the checkpoint has 4"]
 
 
 def test_a_damaged_header_is_one_line(good, tmp_path):
@@ -236,5 +224,5 @@ def test_a_damaged_header_is_one_line(good, tmp_path):
     shutil.copytree(good, folder)
     shard = sorted(folder.glob("*.safetensors"))[0]
     shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
-    problems = qc.check_checkpoint(folder, "cpu")[1]
+    problems = qc.check_checkpoint(folder)[1]
     assert len(problems) == 1 and problems[0].startswith(f"{shard}: safetensors header is not valid JSON")

@@ -11,7 +11,8 @@ from cudabuild.engine.store import Store
 
 @pytest.mark.parametrize("model, modules", [
     ("tiny_lm", ["cudabuild/models/tiny_lm.py"]),
-    ("qwen_moe", ["cudabuild/models/qwen_moe.py", "cudabuild/models/qwen_moe_hf.py", "cudabuild/models/checkpoint.py"]),
+    ("qwen_moe", ["cudabuild/models/qwen35_moe.py", "cudabuild/models/qwen35_moe_plain.py",
+                  "cudabuild/models/qwen35_moe_quantize.py", "cudabuild/models/qwen_moe_checkpoint.py"]),
 ])
 def test_the_model_modules_a_recipe_imports_are_its_sources(project, model, modules):
     sources = [str(p.relative_to(project.root)) for p in registry.source_files(project.root, model)]
@@ -21,7 +22,7 @@ def test_the_model_modules_a_recipe_imports_are_its_sources(project, model, modu
 
 @pytest.mark.parametrize("model, edited", [
     ("tiny_lm", "cudabuild/models/tiny_lm.py"),
-    ("qwen_moe", "cudabuild/models/qwen_moe_hf.py"),
+    ("qwen_moe", "cudabuild/models/qwen35_moe_plain.py"),
 ])
 def test_editing_a_model_module_changes_the_described_sources(project, model, edited):
     store = Store(project.cache)

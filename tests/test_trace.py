@@ -52,7 +52,7 @@ def test_a_compiles_spans_are_inductors_phases_nested_in_the_stages_own_and_its_
     span of category `wait` before the run: the key's lock, its memory admission (two workers), and
     a warm process to take the call where one took it. (How much of the stage's time the spans
     name is bench/named_share.py's figure: it depends on what the machine did meanwhile.)"""
-    from cudabuild.engine.runner import WAITS
+    from cudabuild.engine.admission import WAITS
 
     events = spans(built_tiny)
     for method in ("decode", "prefill"):

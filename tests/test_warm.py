@@ -147,7 +147,9 @@ def test_an_interrupted_caller_ends_the_call_and_what_it_started_before_it_retur
     call's process and the program are gone (a compiler must not outlive an interrupted build)."""
     processes, folder = calls
     pid_file = tmp_path / "pids"
-    script = (f"import sys; sys.path.insert(0, {str(folder)!r}); from cudabuild.engine import warm\n"
+    # The handler set explicitly: a caller that inherited SIGINT ignored would not see the Ctrl-C at all.
+    script = (f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              f"sys.path.insert(0, {str(folder)!r}); from cudabuild.engine import warm\n"
               f"try: warm.WarmProcesses({str(tmp_path / 'cache')!r}, ()).call('warm_calls:starts_a_program', "
               f"{str(pid_file)!r})\nexcept KeyboardInterrupt: sys.exit(130)")
     caller = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
@@ -157,7 +159,8 @@ def test_an_interrupted_caller_ends_the_call_and_what_it_started_before_it_retur
     child, program = map(int, pid_file.read_text().split())
     assert _alive(child) and _alive(program)
     caller.send_signal(signal.SIGINT)
-    assert caller.wait(timeout=600) == 130
+    sent = time.monotonic()
+    assert caller.wait(timeout=600) == 130, f"the caller returned {time.monotonic() - sent:.1f} s after the SIGINT"
     assert not _alive(child) and not _alive(program)
 
 

@@ -115,6 +115,7 @@ def test_the_admission_lock_lets_shared_stages_in_together_and_an_alone_stage_in
 
 def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_peak(tiny_copy):
     from cudabuild.config import load_config
+    from cudabuild.engine import admission
     from cudabuild.engine.runner import Runner
     from cudabuild.engine.store import Store
 
@@ -126,14 +127,14 @@ def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_p
     export_bytes = store.blob_bytes(upstream)
     last_peak = runner.read_stamp(edge).peak_rss
     assert export_bytes > 0 and last_peak > 0
-    assert runner.memory_estimate(edge, runner.inputs(edge)) == max(
+    assert admission.memory_estimate(runner, edge, runner.inputs(edge)) == max(
         int(export_bytes * workers.INPUT_FACTOR) + workers.PROCESS_BYTES, int(last_peak * workers.HISTORY_MARGIN))
     # Export's memory is its model's, not its upstream's: without a last run nothing sizes it ...
     export = Stage("export", "prefill")
     for method in config.methods:
         (tiny_copy.build_dir / ".stamps" / f"export.{method}.json").unlink()
     store.cache.clear()  # ... the build log included
-    assert runner.memory_estimate(export, runner.inputs(export)) is None
+    assert admission.memory_estimate(runner, export, runner.inputs(export)) is None
 
 
 def test_a_build_run_by_two_workers_is_the_build_one_worker_makes(tiny_copy, tmp_path):

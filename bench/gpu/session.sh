@@ -13,6 +13,8 @@
 #             as on a card of $CAP (default 24GiB: CUDABUILD_DEVICE_MEMORY);
 #             then a no-op and a restore; per-stage seconds and peaks, disk
 #   side      bench/qwen_moe_side_by_side.py: cudabuild cold against the stock exporter at 35b-a3b layers=$LAYERS (8)
+#   envelope  bench/qwen_moe_envelope.py: the references alone at 35b-a3b layers=$LAYERS (8): how far bf16 strays
+#             from the fp32 truth, per step; TOKENS=prefill=T0,T1 places a compiled build's picks among the truth's logits
 #   realtest  the GPU test at the real shapes (tests/gpu, -k real_shapes)
 #   quant40   bench/quantize_full.py: the quantize stage alone at size=35b-a3b, all 40 layers, min/max then HQQ
 #   driver    which warm imports map or initialise the CUDA driver (bench/gpu/driver_probe.py)
@@ -49,6 +51,7 @@ for case in "$@"; do
     truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
     real)     CUDABUILD_DEVICE_MEMORY=${CAP:-24GiB} python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
     side)     python3 bench/qwen_moe_side_by_side.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
+    envelope) python3 bench/qwen_moe_envelope.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ${TOKENS:+--tokens "$TOKENS"} ;;
     realtest) timeout "$left" python3 -m pytest -q tests/gpu -k real_shapes -x ;;
     quant40)  python3 bench/quantize_full.py --layers "${LAYERS:-0}" --budget "$left" --out "$dir/r" ;;
     driver)   python3 bench/gpu/driver_probe.py --target cuda --who && cp "$dir/stdout.txt" "$OUT/driver.txt" ;;
@@ -61,6 +64,7 @@ for case in "$@"; do
   [ -f "$dir/r/quantize_full.json" ] && cp "$dir/r/quantize_full.json" "$OUT/$case.json"
   [ -f "$dir/r/qwen_moe_real.json" ] && cp "$dir/r/qwen_moe_real.json" "$OUT/$case.json"
   [ -f "$dir/r/qwen_moe_side_by_side.json" ] && cp "$dir/r/qwen_moe_side_by_side.json" "$OUT/$case.json"
+  [ -f "$dir/r/qwen_moe_envelope.json" ] && cp "$dir/r/qwen_moe_envelope.json" "$OUT/$case.json"
   [ -f "$dir/r/new_weights.json" ] && cp "$dir/r/new_weights.json" "$OUT/$case.json"
   grep -h "CPU ISA probe\|warm:" "$dir"/r/logs-*/*.log /tmp/cudabuild-warm-*/*.log 2>/dev/null | sort | uniq -c > "$dir/probes.txt"
   mkdir -p "$dir/warm" && cp /tmp/cudabuild-warm-*/*.log "$dir/warm/" 2>/dev/null

@@ -12,13 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-_BOOL_SPECS = {
-    "emulate_precision_casts": "emulate_precision_casts",
-    "max_autotune": "max_autotune",
-    "autotune_at_compile_time": "triton.autotune_at_compile_time",
-    "autotune_pointwise": "triton.autotune_pointwise",
-    "coordinate_descent_tuning": "coordinate_descent_tuning",
-}
+from cudabuild.specs import inductor_options
 
 
 def aoti_options(specs: Mapping[str, str], target: str, toolchain: Mapping[str, Any]) -> dict[str, Any]:
@@ -30,9 +24,7 @@ def aoti_options(specs: Mapping[str, str], target: str, toolchain: Mapping[str, 
         "aot_inductor.package_constants_in_so": False,
         "aot_inductor.package_constants_on_disk_format": "binary_blob",
     }
-    for spec, option in _BOOL_SPECS.items():
-        if spec in specs:
-            options[option] = specs[spec] == "ON"
+    options.update(inductor_options(specs))  # the ON/OFF specs, each the option its row in the spec table names
     if "compile_wrapper_opt_level" in specs:
         # The wrapper only launches kernels: ExecuTorch's Qwen3.5-MoE exporter measured -O0 about
         # 8x faster to compile than the default -O1, with no runtime cost.

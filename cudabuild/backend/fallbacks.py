@@ -13,6 +13,7 @@ import contextlib
 from typing import Iterator
 
 from cudabuild.errors import CompileFailed
+from cudabuild.specs import TIMING_SPEC
 
 # The fallbacks ExecuTorch 1.4.1's CUDA runtime provides.
 CUDA_SUPPORTED = frozenset({
@@ -66,16 +67,17 @@ def is_gemm_or_conv(kernel: str) -> bool:
     return name.removesuffix("_out") in _GEMM_OR_CONV
 
 
-def check_cuda_fallbacks(method: str, kernels: set[str], max_autotune: str = "ON") -> None:
+def check_cuda_fallbacks(method: str, kernels: set[str], autotuned: bool = True) -> None:
     """Raise CompileFailed naming every fallback of a cuda compile that the runtime lacks; where
-    they are ATen GEMMs or convolutions left by max_autotune=OFF, say that this is the cause."""
+    they are ATen GEMMs or convolutions left by a compile that did not autotune (the spec table's
+    TIMING_SPEC OFF), say that this is the cause."""
     missing = unsupported_on_cuda(kernels)
     gemms = [k for k in missing if is_gemm_or_conv(k)]
-    if gemms and max_autotune == "OFF":
+    if gemms and not autotuned:
         raise CompileFailed(
-            f"method {method}: max_autotune=OFF leaves {len(gemms)} ATen GEMM/convolution kernel(s) that "
+            f"method {method}: {TIMING_SPEC}=OFF leaves {len(gemms)} ATen GEMM/convolution kernel(s) that "
             f"ExecuTorch's CUDA runtime lacks ({', '.join(gemms)}): with autotuning, inductor generates Triton "
-            f"code for them instead; set {method}.max_autotune=ON (or max_autotune=ON)"
+            f"code for them instead; set {method}.{TIMING_SPEC}=ON (or {TIMING_SPEC}=ON)"
         )
     if missing:
         raise CompileFailed(

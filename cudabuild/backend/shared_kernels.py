@@ -28,6 +28,7 @@ from pathlib import Path
 from triton.runtime.cache import FileCacheManager
 
 from cudabuild.engine.hashing import digest, sha256_file
+from cudabuild.engine.console import terminal
 from cudabuild.engine.tiers import factory
 
 _TIERS: dict[int, object] = {}  # pid -> this process's tier (None: no remote, or a bad setting)
@@ -37,7 +38,7 @@ def _tier():
     pid = os.getpid()
     if pid not in _TIERS:
         try:
-            _TIERS[pid] = factory.from_env(os.environ)
+            _TIERS[pid] = factory.from_env(os.environ, warn=terminal.warn)
         except Exception:  # a bad setting is the build's to report (it reads the same variables)
             _TIERS[pid] = None
     return _TIERS[pid]

@@ -22,13 +22,10 @@ from typing import Mapping, Optional
 
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.hashing import digest
-
-TUNING_SPECS = ("max_autotune", "autotune_pointwise", "autotune_at_compile_time")
-
+from cudabuild.specs import tuning_specs
 
 def tuning_key(graph_digest: Optional[str], toolchain: Mapping, specs: Mapping[str, str]) -> str:
-    return digest({"graph": graph_digest, "toolchain": dict(toolchain),
-                   "specs": {k: specs[k] for k in TUNING_SPECS if k in specs}})
+    return digest({"graph": graph_digest, "toolchain": dict(toolchain), "specs": tuning_specs(specs)})
 
 
 def _is_decision(rel: Path) -> bool:
@@ -100,6 +97,7 @@ def pin_autotune(runner) -> Path:
     decisions a compile just made reproduces that compile, so nothing is rebuilt for it.
     """
     from cudabuild.engine.graph import Stage
+    from cudabuild.engine.rekey import rekey
 
     config = runner.config
     entries = {}
@@ -108,5 +106,5 @@ def pin_autotune(runner) -> Path:
         entries[method] = {"tuning_key": data["tuning_key"], "files": data["files"]}
     path = write_pins(config.project, config.model, config.target, entries)
     for method in config.methods:
-        runner.rekey(Stage("compile", method))
+        rekey(runner, Stage("compile", method))
     return path

@@ -51,10 +51,8 @@ def parse_size(text: str, where: str = "size") -> int:
     match = _SIZE.match(str(text))
     unit = match and _UNITS.get(match.group(2).lower())
     if not match or unit is None:
-        raise InvalidOption(
-            f"{where} '{text}' is not a size; use bytes or a number with K, M, G, T (powers of 1000) "
-            f"or KiB, MiB, GiB, TiB (powers of 1024), e.g. 500M or 1.5GiB"
-        )
+        raise InvalidOption(f"{where} '{text}' is not a size", fix="use bytes or a number with K, M, G, T (powers of "
+                            "1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 500M or 1.5GiB")
     return int(float(match.group(1)) * unit)
 
 

@@ -70,8 +70,8 @@ def parse_resources(text: str) -> dict[str, dict[str, float]]:
             continue
         asked.setdefault(kind, {})[name] = value
     if problems:
-        raise InvalidOption(f"resources={text}: cannot read {', '.join(problems)}; expected KIND:RESOURCE=AMOUNT "
-                            "items separated by commas, e.g. resources=compile:GPU=1")
+        raise InvalidOption(f"resources={text}", f"cannot read {', '.join(problems)}",
+                            expected="KIND:RESOURCE=AMOUNT items separated by commas, e.g. resources=compile:GPU=1")
     return asked
 
 
@@ -154,9 +154,10 @@ class Pool:
                         raise SchedulerUnreachable(self.address, one_line(e)) from None
             return self._client
 
-    def delegate(self, build: dict) -> Callable:
-        """The Runner.delegate of one build: `build` is the caller's description of it (what a worker
-        needs to configure the same build), sent with each of its stages."""
+    def hand_off(self, build: dict) -> Callable:
+        """The hand-off of one build's stages to the cluster (executors.ClusterWorker): `build` is
+        the caller's description of it (what a worker needs to configure the same build), sent
+        with each of its stages."""
         return lambda label, work, asked: self.run(build, label, work, asked)
 
     def _offered(self) -> tuple[int, dict[str, float]]:

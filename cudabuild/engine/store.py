@@ -72,7 +72,7 @@ def remote_from_env():
         return None
     from cudabuild.engine.tiers.factory import from_env  # only builds that name a remote tier import it (and, later, redis)
 
-    return from_env()
+    return from_env(warn=terminal.warn)  # the terminal's stderr, also while a stage's output goes to its log
 
 
 class Store:

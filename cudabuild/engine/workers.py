@@ -76,7 +76,7 @@ def default_workers(environ: Optional[dict] = None) -> int:
     value = environ.get(JOBS_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
-            raise InvalidOption(f"{JOBS_ENV}={value}: expected a whole number of stages to run at once, 1 or more")
+            raise InvalidOption(f"{JOBS_ENV}={value}", expected="a whole number of stages to run at once, 1 or more")
         return int(value)
     return max(1, min(usable_cores(), MAX_DEFAULT_WORKERS))
 

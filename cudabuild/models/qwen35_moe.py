@@ -10,9 +10,10 @@ options it can take (the options themselves, with their types and defaults, are 
 
 The model itself is ExecuTorch's, unchanged: its forward calls ExecuTorch's Triton ops (fused MoE,
 the chunked and the fused-decode delta rule, split-K decode attention, int4 matvec), so it runs on
-a CUDA device only; it exports anywhere (the ops have fake kernels). Its CPU form is
-cudabuild/models/qwen_moe.py, the same architecture in plain PyTorch (recipes/qwen_moe.py says
-how the two are kept the same model).
+a CUDA device only; it exports anywhere (the ops have fake kernels). Its CPU form is the same
+model through a source transformation that swaps those modules for plain PyTorch
+(cudabuild/models/qwen35_moe_plain.py). Both forms share `resolve` (here: one function, every
+problem collected) and the runner's metadata.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any, Mapping
 import torch
 
 from cudabuild.backend import custom_ops
-from cudabuild.errors import InvalidConfig, InvalidOption
+from cudabuild.errors import InvalidConfig, InvalidOption, compose
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
 
-# The KV cache's length when a size or checkpoint does not say: the stock exporter's --max-seq-len.
+# The KV cache's length when a size or checkpoint does not say: the stock exporter's --max-seq-len;
+# also the cap on a checkpoint's own context (262144 for Qwen3.5, far beyond what a build needs).
 DEFAULT_MAX_SEQ_LEN = 4096
 # prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
 MIN_SEQ_LEN = 4
@@ -37,54 +39,68 @@ DEFAULT_LAYERS = 40
 # The options that decide the quantized weights (the quantize stage's key); the folders too.
 QUANTIZE_OPTIONS = ("size", "layers", "seed", "qlinear", "qlinear_group_size", "qembedding", "hqq")
 QUANTIZE_FOLDERS = ("checkpoint", "prequantized")
+# The CPU form's delta-rule prefill chunk when `chunk` is left at 0: the size's, or for a checkpoint
+# 64 (the 35b-a3b size's, and FLA's kernels').
+CHUNKS = {"tiny": 8, "35b-a3b": 64}
+CHECKPOINT_CHUNK = 64
 # What a prequantized bundle decides by itself: these must stay at their defaults beside it.
 DECIDED_BY_A_BUNDLE = ("layers", "qlinear", "qlinear_group_size", "qembedding", "hqq")
 
 
 def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
-    """The options with max_seq_len filled in; every combination the model cannot take refused, all
-    at once. `defaults` are the options' defaults (the recipe's table: the stock exporter's). A
-    checkpoint's config.json and the tensors it implies are checked here, as a bundle's config.json
-    is (cudabuild/models/qwen_moe_checkpoint.py, the fields ExecuTorch's model reads)."""
+    """The options with max_seq_len (and on the CPU, chunk) filled in; every combination the model
+    cannot take refused, all at once, for either form. `defaults` are the options' defaults (the
+    recipe's table: the stock exporter's). A checkpoint's config.json and the tensors it implies
+    are checked here, as a bundle's config.json is (cudabuild/models/qwen_moe_checkpoint.py, the
+    fields ExecuTorch's model reads)."""
     out = dict(options)
     problems = []
-    if options["checkpoint"] and options["prequantized"]:
-        problems.append("qwen_moe options checkpoint= and prequantized= exclude each other: a bundle is already "
-                        "the quantized checkpoint")
+    if options.get("checkpoint") and options.get("prequantized"):
+        problems.append(compose("qwen_moe options checkpoint= and prequantized= exclude each other",
+                                "a bundle is already the quantized checkpoint"))
     layers = int(options["layers"])
-    if options["prequantized"]:
+    if options.get("prequantized"):
         fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != defaults[name]]
         if fixed:
-            problems.append(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself; "
-                            f"drop {', '.join(fixed)}")
+            problems.append(compose(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself",
+                                    fix=f"drop {', '.join(fixed)}"))
         else:
             try:
                 quant.check_bundle(_folder(options["prequantized"]))
                 config, found = checkpoint_fields.read_config(_folder(options["prequantized"]))
                 problems += found or checkpoint_fields.checked_fields(
-                    config, "cuda", str(_folder(options["prequantized"]) / quant.CONFIG))[1]
+                    config, str(_folder(options["prequantized"]) / quant.CONFIG))[1]
             except InvalidOption as e:
                 problems.append(str(e))
-    if options["dense_prefill"] == "dequant" and options["qlinear"] != "4w":
-        problems.append(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
-                        f"not qlinear={options['qlinear']}")
+    if options.get("dense_prefill") == "dequant" and options.get("qlinear") != "4w":
+        problems.append(compose(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
+                                f"not qlinear={options['qlinear']}"))
     if layers < 0:
-        problems.append(f"qwen_moe option layers={layers}: expected an integer >= 0 (0: every layer)")
-    if options["checkpoint"]:
-        problems += checkpoint_fields.check_checkpoint(options["checkpoint"], "cuda", layers)[1]
-    elif not options["prequantized"]:
+        problems.append(compose(f"qwen_moe option layers={layers}", expected="an integer >= 0 (0: every layer)"))
+    max_seq_len = int(options["max_seq_len"])
+    if options.get("checkpoint"):
+        fields, found = checkpoint_fields.check_checkpoint(options["checkpoint"], layers)
+        problems += found
+        limit = fields.get("max_position_embeddings")
+        if limit and max_seq_len > limit:
+            problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
+                                    f"the checkpoint's max_position_embeddings is {limit}"))
+        max_seq_len = max_seq_len or min(limit or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
+    elif not options.get("prequantized"):
         size_layers = quant.SIZES[options["size"]].get("num_hidden_layers", DEFAULT_LAYERS)
         if layers > size_layers:
-            problems.append(f"qwen_moe option layers={layers}: the size {options['size']} has {size_layers}")
-    source = options["checkpoint"] or options["prequantized"]
-    max_seq_len = int(options["max_seq_len"]) or (quant.SIZES[options["size"]].get("max_seq_len") if not source else 0) \
-        or DEFAULT_MAX_SEQ_LEN
+            problems.append(compose(f"qwen_moe option layers={layers}", f"the size {options['size']} has {size_layers}"))
+        max_seq_len = max_seq_len or quant.SIZES[options["size"]].get("max_seq_len", 0)
+    max_seq_len = max_seq_len or DEFAULT_MAX_SEQ_LEN
     if max_seq_len < MIN_SEQ_LEN:
-        problems.append(f"qwen_moe option max_seq_len={max_seq_len}: expected an integer >= {MIN_SEQ_LEN} "
-                        "(default 0: from the size, else 4096)")
+        problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
+                                expected=f"an integer >= {MIN_SEQ_LEN} (default 0: from the checkpoint or the size)"))
     if problems:
         raise InvalidConfig(problems)
     out["max_seq_len"] = max_seq_len
+    if "chunk" in options:  # the CPU form's plain delta rule: its prefill chunk
+        chunk = int(options["chunk"]) or (CHECKPOINT_CHUNK if options.get("checkpoint") else CHUNKS[options["size"]])
+        out["chunk"] = min(chunk, max_seq_len)
     return out
 
 

@@ -190,12 +190,15 @@ def run_steps(model, steps: list, device: str, router_noise_seed: int | None = N
 
 def distance(run: dict, truth: dict) -> dict:
     """{"states": {buffer: max |run - truth|}, "gaps": [per step: how far below the truth's best
-    logit the run's own choice lies]} (a run given by logits chooses their argmax; by tokens, those)."""
+    logit the run's own choice lies], "deviations": [per step: max |run's logits - truth's|, where
+    the run has logits]} (a run given by tokens chose those; by logits alone, their argmax)."""
     states = {n: float((run["states"][n].float() - want).abs().max()) for n, want in truth["states"].items()
               if n in run["states"] and run["states"][n].shape == want.shape}
     chosen = run.get("tokens") or [int(logits.argmax()) for logits in run["logits"]]
     gaps = [float(t.max() - t[c]) for t, c in zip(truth["logits"], chosen)]
-    return {"states": states, "gaps": gaps}
+    deviations = [float((got.reshape(-1).float() - want.reshape(-1)).abs().max())
+                  for got, want in zip(run.get("logits") or [], truth["logits"])]
+    return {"states": states, "gaps": gaps, "deviations": deviations}
 
 
 def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: list, device: str,
@@ -205,7 +208,7 @@ def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: l
     `model_loader()` gives a fresh eager model (bf16, ExecuTorch's) on `device`; `method_prepare`
     switches it to the method's path; `eager` is the eager exported program's own run (tokens and
     states). Returns {"truth": {"logits", "states"}, "envelope": {"states": {buffer: the largest
-    distance of the plain bf16 runs}, "gaps": [per step, the largest]}, "runs": their count,
+    distance of the plain bf16 runs}, "gaps" and "deviations": [per step, the largest]}, "runs": their count,
     "eager": the eager program's own distance (`distance`), so verify can tell a wrong reference}."""
     model = model_loader()
     method_prepare(model, options)
@@ -217,7 +220,8 @@ def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: l
     del model
     distances = [distance(run, truth) for run in runs]
     envelope = {"states": {n: max(d["states"].get(n, 0.0) for d in distances) for n in truth["states"]},
-                "gaps": [max(d["gaps"][i] for d in distances) for i in range(len(steps))]}
+                "gaps": [max(d["gaps"][i] for d in distances) for i in range(len(steps))],
+                "deviations": [max(d["deviations"][i] for d in distances) for i in range(len(steps))]}
     return {"truth": truth, "envelope": envelope, "runs": len(runs),
             **({"eager": distance(eager, truth)} if eager is not None else {})}
 

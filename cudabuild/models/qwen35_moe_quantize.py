@@ -64,15 +64,15 @@ def check_bundle(folder: Path) -> None:
 
     for name in (CONFIG, BUNDLE):
         if not (folder / name).is_file():
-            raise InvalidOption(f"prequantized={folder}: no {name} there (a bundle of ExecuTorch's quantize_and_save has both)")
+            raise InvalidOption(f"prequantized={folder}", f"no {name} there (a bundle of ExecuTorch's quantize_and_save has both)")
     try:
         header, _, _ = read_raw_header(folder / BUNDLE)
     except HeaderError as e:
-        raise InvalidOption(f"prequantized={folder}: {BUNDLE} is not readable ({e})") from None
+        raise InvalidOption(f"prequantized={folder}", f"{BUNDLE} is not readable ({e})") from None
     metadata = header.get(METADATA) or {}
     if "tensor_names" not in metadata and "quantization" not in metadata:
-        raise InvalidOption(f"prequantized={folder}: {BUNDLE} is not a quantized bundle (its header has no torchao "
-                            "tensor_names); make one with ExecuTorch's quantize_and_save.py")
+        raise InvalidOption(f"prequantized={folder}", f"{BUNDLE} is not a quantized bundle (its header has no torchao "
+                            "tensor_names)", fix="make one with ExecuTorch's quantize_and_save.py")
 
 
 def model_config(options: Mapping[str, Any]):
@@ -188,19 +188,21 @@ def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _drawn(module, prefix: str, seed: int, device: str):
-    """`module` (built on meta) given bf16 weights on `device`, each parameter from N(0, 0.02) by
-    its own generator, as the stock --tiny-test draws every parameter from N(0, 0.02)."""
-    module = module.to_empty(device=device).to(torch.bfloat16)
+def _drawn(module, prefix: str, seed: int, device: str, dtype=torch.bfloat16):
+    """`module` (built on meta) given weights of `dtype` on `device`, each parameter from N(0, 0.02)
+    by its own generator, as the stock --tiny-test draws every parameter from N(0, 0.02)."""
+    module = module.to_empty(device=device).to(dtype)
     for name, p in module.named_parameters():
         generator = torch.Generator(device=device).manual_seed(_seed_of(seed, prefix + name))
         p.data.normal_(0, 0.02, generator=generator)
     return _frozen(module)
 
 
-def _parts(options: Mapping[str, Any], config, device: str) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(prefix, bf16 module on `device`) for every part, in order: the embedding, the layers, the
-    norm, the lm_head. A top-level part comes wrapped (`{"lm_head": Linear}`, prefix ""), a layer
+def weight_parts(options: Mapping[str, Any], config, device: str,
+                 dtype=torch.bfloat16) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(prefix, module on `device`, its weights of `dtype`) for every part, in order: the
+    embedding, the layers, the norm, the lm_head. The quantize stage quantizes them (bf16); the
+    CPU form (cudabuild/models/qwen35_moe_plain.py) assembles them unquantized. A top-level part comes wrapped (`{"lm_head": Linear}`, prefix ""), a layer
     as its Block (prefix `layers.<i>.`), so the module's own names are the model's.
 
     The tiny size keeps the stock --tiny-test weights exactly (the whole model drawn on the CPU in
@@ -210,31 +212,31 @@ def _parts(options: Mapping[str, Any], config, device: str) -> Iterator[tuple[st
     from executorch.examples.models.qwen3_5_moe.model import Block, GemmaRMSNorm
 
     if options.get("checkpoint"):
-        yield from _checkpoint_parts(options["checkpoint"], config, device)
+        yield from _checkpoint_parts(options["checkpoint"], config, device, dtype)
         return
     seed = int(options["seed"])
     if options["size"] == "tiny":
         model = seeded_model(config, seed)
-        yield "", _frozen(torch.nn.ModuleDict({"embed_tokens": model.embed_tokens}).to(device))
+        yield "", _frozen(torch.nn.ModuleDict({"embed_tokens": model.embed_tokens}).to(device, dtype))
         for i, layer in enumerate(model.layers):
-            yield f"layers.{i}.", _frozen(layer.to(device))
-        yield "", _frozen(torch.nn.ModuleDict({"norm": model.norm}).to(device))
-        yield "", _frozen(torch.nn.ModuleDict({"lm_head": model.lm_head}).to(device))
+            yield f"layers.{i}.", _frozen(layer.to(device, dtype))
+        yield "", _frozen(torch.nn.ModuleDict({"norm": model.norm}).to(device, dtype))
+        yield "", _frozen(torch.nn.ModuleDict({"lm_head": model.lm_head}).to(device, dtype))
         return
     with torch.device("meta"):
         top = {"embed_tokens": torch.nn.Embedding(config.vocab_size, config.hidden_size),
                "norm": GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps),
                "lm_head": torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)}
-    yield "", _drawn(torch.nn.ModuleDict({"embed_tokens": top["embed_tokens"]}), "", seed, device)
+    yield "", _drawn(torch.nn.ModuleDict({"embed_tokens": top["embed_tokens"]}), "", seed, device, dtype)
     for i in range(config.num_hidden_layers):
         with torch.device("meta"):
             block = Block(config, layer_idx=i)
-        yield f"layers.{i}.", _drawn(block, f"layers.{i}.", seed, device)
+        yield f"layers.{i}.", _drawn(block, f"layers.{i}.", seed, device, dtype)
     for name in ("norm", "lm_head"):
-        yield "", _drawn(torch.nn.ModuleDict({name: top[name]}), "", seed, device)
+        yield "", _drawn(torch.nn.ModuleDict({name: top[name]}), "", seed, device, dtype)
 
 
-def _checkpoint_parts(folder: str, config, device: str) -> Iterator[tuple[str, torch.nn.Module]]:
+def _checkpoint_parts(folder: str, config, device: str, dtype=torch.bfloat16) -> Iterator[tuple[str, torch.nn.Module]]:
     from executorch.examples.models.qwen3_5_moe.model import Block, GemmaRMSNorm
     from executorch.examples.models.qwen3_5_moe.quantize_and_save import _load_remapped_subset, _open_checkpoint_shards
 
@@ -250,13 +252,13 @@ def _checkpoint_parts(folder: str, config, device: str) -> Iterator[tuple[str, t
         module.load_state_dict(own, strict=False, assign=True)
         missing = [prefix + n for n, p in module.named_parameters() if p.device.type == "meta"]
         if missing:
-            raise InvalidOption(f"checkpoint={folder}: no tensor for {', '.join(missing[:4])}"
+            raise InvalidOption(f"checkpoint={folder}", f"no tensor for {', '.join(missing[:4])}"
                                 f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}")
         for name, buf in list(module.named_buffers()):  # runtime state the checkpoint leaves on meta
             if buf.device.type == "meta":
                 owner, _, leaf = name.rpartition(".")
                 (module.get_submodule(owner) if owner else module).register_buffer(leaf, torch.zeros(buf.shape, dtype=buf.dtype))
-        return _frozen(module.to(device=device, dtype=torch.bfloat16))
+        return _frozen(module.to(device=device, dtype=dtype))
 
     top = read(lambda n: n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
     if "lm_head.weight" not in top and "embed_tokens.weight" in top:
@@ -314,7 +316,7 @@ def quantize_streamed(options: Mapping[str, Any], config, path: Path, device: st
     started = time.monotonic()
     timings = {"make": 0.0, "quantize": 0.0, "hand_off": 0.0}
     with SafetensorsStream(path, expected_tensors=64 * (config.num_hidden_layers + 4)) as out:
-        parts = _parts(options, config, device)
+        parts = weight_parts(options, config, device)
         while True:
             t0 = time.monotonic()
             part = next(parts, None)

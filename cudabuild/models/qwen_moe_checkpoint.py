@@ -1,24 +1,23 @@
 """What a Qwen3.5-MoE Hugging Face checkpoint must hold, as data, and its check before any stage runs.
 
-Owns the table of config.json's fields that either form of qwen_moe reads (the plain-PyTorch one
-through cudabuild/models/qwen_moe_hf.py, ExecuTorch's through its `Qwen35MoEConfig.from_hf_config`
-and `from_hf_checkpoint`): each field's type, range or choices, whether it must be there and its
-default, and where one form supports less than the other (ExecuTorch's model has no rope scaling
-and only silu). From the checked fields it derives the tensors the checkpoint must hold (names,
-shapes, dtypes) and compares them with the safetensors headers, reading no tensor data.
+Owns the table of config.json's fields that qwen_moe reads: both of its forms are ExecuTorch's
+model (`Qwen35MoEConfig.from_hf_config` and its lazy checkpoint reader; the CPU form transformed,
+cudabuild/models/qwen35_moe_plain.py), so one table serves both: each field's type, range or
+choices (ExecuTorch's model has no rope scaling and only silu), whether it must be there and its
+default. From the checked fields it derives the tensors the checkpoint must hold (names, shapes,
+dtypes) and compares them with the safetensors headers, reading no tensor data.
 
-`check_checkpoint(folder, form, layers)` collects every problem, one line each, naming the file and
-the field or tensor. Must not touch torch, the model classes or tensor data: this runs in the
-build's first second, from the recipe's `resolve` (memoised by the headers' digests, see
-cudabuild.registry). qwen_moe_hf.args_from_hf reads its ModelArgs from `checked_fields`, so the
-two cannot disagree on what a field means.
+`check_checkpoint(folder, layers)` collects every problem, one line each, naming the file and the
+field or tensor. Must not touch torch, the model classes or tensor data: this runs in the build's
+first second, from the recipe's `resolve` (memoised by the headers' digests, see
+cudabuild.registry).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -28,15 +27,13 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# What the plain-PyTorch form implements (cudabuild/models/qwen_moe.py: ACTIVATIONS, ROPE_TYPES;
-# tests/test_qwen_moe_checkpoint.py holds the two equal).
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
-ROPE_TYPES = ("default", "linear", "yarn")
+# What ExecuTorch's model implements: SwiGLU experts, rotary embedding without scaling.
+ACTIVATIONS = ("silu",)
+ROPE_TYPES = ("default",)
 DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}  # config dtype -> safetensors code
 LAYER_KINDS = ("full_attention", "linear_attention")
 # Qwen3.5 rotates a quarter of each head; its configs may leave partial_rotary_factor out.
 DEFAULT_PARTIAL_ROTARY = 0.25
-FORMS = ("cpu", "cuda")  # the plain-PyTorch form, ExecuTorch's
 # A checkpoint of the wrong model would have thousands of tensor problems: the first ones say enough.
 MAX_TENSOR_PROBLEMS = 10
 
@@ -45,8 +42,7 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 @dataclass(frozen=True)
 class Field:
-    """One config.json field: its type, range or choices, required or its default, and the
-    choices of a form that supports fewer (`on`)."""
+    """One config.json field: its type, range or choices, required or its default."""
 
     name: str
     kind: type
@@ -57,7 +53,6 @@ class Field:
     maximum: Optional[float] = None
     choices: tuple = ()
     supported: str = ""  # how messages name the choices, where a word helps
-    on: Mapping[str, tuple] = field(default_factory=dict)  # form -> its choices, where narrower
 
     def expected(self) -> str:
         text = _KINDS[self.kind]
@@ -95,9 +90,9 @@ FIELDS: tuple[Field, ...] = (
     _int("max_position_embeddings", required=False),
     Field("layer_types", list),
     Field("rms_norm_eps", float, above=0, default=1e-6),
-    Field("rope_theta", float, above=0),  # else rope_parameters' (else 10000 on cpu, ExecuTorch's 1e7 on cuda)
+    Field("rope_theta", float, above=0),  # else rope_parameters' (else ExecuTorch's 1e7)
     Field("partial_rotary_factor", float, above=0, maximum=1),  # else rope_parameters', else a quarter
-    Field("hidden_act", str, default="silu", choices=ACTIVATIONS, on={"cuda": ("silu",)}),
+    Field("hidden_act", str, default="silu", choices=ACTIVATIONS),
     Field("attention_bias", bool, default=False, choices=(False,), supported="false (no bias on the attention projections)"),
     Field("norm_topk_prob", bool, default=True, choices=(True,),
           supported="true (the k chosen experts' weights renormalised)"),
@@ -112,8 +107,8 @@ EITHER_LEVEL: tuple[Field, ...] = (
 )
 # Inside rope_parameters / rope_scaling.
 ROPE_FIELDS: tuple[Field, ...] = (
-    Field("rope_type", str, choices=ROPE_TYPES, on={"cuda": ("default",)}),
-    Field("type", str, choices=ROPE_TYPES, on={"cuda": ("default",)}),  # the older name of rope_type
+    Field("rope_type", str, choices=ROPE_TYPES),
+    Field("type", str, choices=ROPE_TYPES),  # the older name of rope_type
     Field("rope_theta", float, above=0),
     Field("partial_rotary_factor", float, above=0, maximum=1),
     Field("factor", float, above=0),
@@ -135,7 +130,7 @@ def json_value(value) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
-def _problem(where: str, f: Field, value, form: str, prefix: str = "") -> Optional[str]:
+def _problem(where: str, f: Field, value, prefix: str = "") -> Optional[str]:
     """What is wrong with `value` for field `f` (None: nothing)."""
     name = prefix + f.name
     kind_ok = isinstance(value, f.kind) and not (f.kind in (int, float) and isinstance(value, bool))
@@ -147,17 +142,15 @@ def _problem(where: str, f: Field, value, form: str, prefix: str = "") -> Option
         if ((f.minimum is not None and value < f.minimum) or (f.above is not None and value <= f.above)
                 or (f.maximum is not None and value > f.maximum) or value != value):
             return f"{where}: {name}={json_value(value)} is out of range; expected {f.expected()}"
-    choices = f.on.get(form, f.choices)
-    if choices and value not in choices:
-        supported = f.supported if choices == f.choices and f.supported else ", ".join(map(str, choices))
-        on = f" on target {form}" if form in f.on else ""
-        return f"{where}: {name}={json_value(value)} is not supported{on}; supported: {supported}"
+    if f.choices and value not in f.choices:
+        supported = f.supported or ", ".join(map(str, f.choices))
+        return f"{where}: {name}={json_value(value)} is not supported; supported: {supported}"
     return None
 
 
-def checked_fields(config: Any, form: str, where: str = CONFIG_FILE) -> tuple[dict, list[str]]:
-    """(the fields both forms read, with their defaults and what follows from others filled in;
-    the problems, one line each). `form` is "cpu" or "cuda". The fields are Hugging Face's names;
+def checked_fields(config: Any, where: str = CONFIG_FILE) -> tuple[dict, list[str]]:
+    """(the fields the model reads, with their defaults and what follows from others filled in;
+    the problems, one line each). The fields are Hugging Face's names;
     `rope` holds the rotary scaling ({rope_type, factor, ...}) and `dtype` the weights' dtype."""
     if not isinstance(config, dict):
         return {}, [f"{where}: not a JSON object (a Hugging Face config.json is one), but {_KINDS.get(type(config), type(config).__name__)}"]
@@ -174,7 +167,7 @@ def checked_fields(config: Any, form: str, where: str = CONFIG_FILE) -> tuple[di
             elif f.default is not None:
                 out.setdefault(prefix + f.name, f.default)
             return
-        why = _problem(where, f, source[f.name], form, shown)
+        why = _problem(where, f, source[f.name], shown)
         if why:
             problems.append(why)
         else:
@@ -204,11 +197,11 @@ def checked_fields(config: Any, form: str, where: str = CONFIG_FILE) -> tuple[di
     values["head_dim"] = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     if values["head_dim"] < 1:
         problems.append(f"{where}: head_dim is missing and hidden_size // num_attention_heads is 0; give head_dim")
-    problems += _relations(values, kind, form, where)
+    problems += _relations(values, where)
     return values, problems
 
 
-def _relations(v: dict, rope_type: str, form: str, where: str) -> list[str]:
+def _relations(v: dict, where: str) -> list[str]:
     """What the fields must be together."""
     problems = []
 
@@ -224,10 +217,6 @@ def _relations(v: dict, rope_type: str, form: str, where: str) -> list[str]:
     if rotated < 2 or rotated % 2:
         problems.append(f"{where}: head_dim={v['head_dim']} x partial_rotary_factor={v['partial_rotary_factor']} rotates "
                         f"{rotated} dims; expected an even number >= 2")
-    if rope_type != "default" and "factor" not in v["rope"]:
-        problems.append(f"{where}: rope_type={rope_type!r} needs a positive 'factor', got none")
-    if rope_type == "yarn" and not (v["rope"].get("original_max_position_embeddings") or v.get("max_position_embeddings")):
-        problems.append(f"{where}: rope_type='yarn' needs original_max_position_embeddings or max_position_embeddings")
     n, kinds = v["num_hidden_layers"], v.get("layer_types")
     if kinds is not None:
         unknown = sorted({k for k in kinds if k not in LAYER_KINDS}, key=str)
@@ -247,10 +236,6 @@ def _relations(v: dict, rope_type: str, form: str, where: str) -> list[str]:
     periodic = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     if kinds is None:
         v["layer_types"] = periodic
-    elif list(kinds) != periodic and form == "cpu":
-        full = [i for i, k in enumerate(kinds) if k == "full_attention"]
-        problems.append(f"{where}: layer_types with full_attention at layers {', '.join(map(str, full))} is not supported; "
-                        "supported: one full_attention layer every N layers, the last of each N (full_attention_interval=N)")
     return problems
 
 
@@ -411,14 +396,14 @@ def read_config(folder: Path) -> tuple[Any, list[str]]:
         return None, [f"{path}: not valid JSON ({e})"]
 
 
-def check_checkpoint(folder, form: str, layers: int = 0) -> tuple[dict, list[str]]:
-    """(the checked fields, every problem): config.json against the table for `form`, then the
+def check_checkpoint(folder, layers: int = 0) -> tuple[dict, list[str]]:
+    """(the checked fields, every problem): config.json against the table, then the
     tensors its fields imply (the first `layers` layers; 0: all) against the files' headers."""
     folder = Path(str(folder)).expanduser()
     config, problems = read_config(folder)
     if problems:
         return {}, problems
-    values, problems = checked_fields(config, form, str(folder / CONFIG_FILE))
+    values, problems = checked_fields(config, str(folder / CONFIG_FILE))
     if problems:
         return values, problems
     if layers > values["num_hidden_layers"]:

@@ -127,55 +127,41 @@ def test_executorch_runtime_runs_prefill_then_decode_with_the_state_shared(built
     assert _near_argmax(after_first, decode_token), (decode_token, int(after_first.argmax()))
 
 
-def _dequantized(packed, scale, group: int):
-    """ExecuTorch's packed int4 experts ([E, N, K/2] int8, two values a byte, low nibble first, and
-    a bf16 scale per group of K) as float."""
-    p = packed.to(torch.int16) & 0xFF
-    values = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).flatten(-2).float() - 8  # [E, N, K]
-    return values * scale.float().repeat_interleave(group, dim=-1)
-
-
 def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_path):
-    """One Hugging Face checkpoint, read by each form's own loader; the experts the CUDA form
-    quantizes to int4 are given to the CPU form dequantized, so both hold the same weights. The
-    plain-PyTorch model (on the GPU, so both compute in bf16 there) then gives ExecuTorch's
-    model's logits, after a prompt and after a decode step."""
-    from dataclasses import replace
+    """One Hugging Face checkpoint, read by ExecuTorch's loader into ExecuTorch's model, its experts
+    packed to int4 as its exporter packs them. The CUDA form runs that module on ExecuTorch's Triton
+    kernels; the CPU form is a copy of the same module through the source transformation
+    (cudabuild/models/qwen35_moe_plain.py: the same names and weights, the int4 experts dequantized,
+    plain PyTorch in place of every Triton op). On the GPU both compute in bf16, and the plain
+    form gives the Triton form's logits after a prompt and after a decode step."""
+    import copy
 
-    from cudabuild.models import checkpoint as ck
+    from cudabuild.backend import custom_ops
+    from cudabuild.models import qwen35_moe_hf
+    from cudabuild.models import qwen35_moe_plain as plain
     from cudabuild.models import qwen35_moe_quantize as quant
-    from cudabuild.models import qwen_moe as qm
-    from cudabuild.models import qwen_moe_hf as qhf
     from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _quantize_experts_int4
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
-
-    args = replace(qm.SIZES["tiny"], dtype=torch.bfloat16, max_seq_len=64)
-    source = qm.build(args, seed=0)
-    tensors = {k: v.to(torch.bfloat16) for k, v in ck.gather_tensors(source, qhf.hf_targets(args)).items()}
-    ck.save_checkpoint(tmp_path, tensors, qhf.hf_config(args, torch.bfloat16))
-
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    theirs, config = Qwen35MoE.from_hf_checkpoint(str(tmp_path), max_seq_len=args.max_seq_len)
+    custom_ops.register("cuda")
+    folder = qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"))
+    theirs, config = Qwen35MoE.from_hf_checkpoint(str(folder), max_seq_len=64)
     theirs = quant._frozen(theirs.to(dtype=torch.bfloat16))
     _quantize_experts_int4(theirs, config, 32)
     _materialize_buffers(theirs, config)
+    ours = copy.deepcopy(theirs)
+    assert plain.plain_source_transformations(ours, chunk=8)["PlainMoEExperts"] == config.num_hidden_layers
     _move_to_cuda(theirs, config)
+    _move_to_cuda(ours, config)
 
-    ours = qhf.from_checkpoint(tmp_path, max_seq_len=args.max_seq_len, chunk=args.chunk)
-    for i, layer in enumerate(ours.layers):
-        experts = theirs.layers[i].mlp.experts
-        layer.moe.w_gate_up.data.copy_(_dequantized(experts.w1, experts.w1_scale, 32).cpu())
-        layer.moe.w_down.data.copy_(_dequantized(experts.w2, experts.w2_scale, 32).transpose(1, 2).cpu())
-    ours = ours.cuda().eval()
-
-    prompt = ((torch.arange(9) * 37 + 11) % args.vocab_size)[None].cuda()
+    prompt = ((torch.arange(9) * 37 + 11) % config.vocab_size)[None].cuda()
     with torch.no_grad():
-        want = theirs(prompt, torch.arange(9).cuda()).float()[0, -1]
-        got = ours(prompt, torch.arange(9).cuda()).float()[0]
+        want = theirs(prompt, torch.arange(9).cuda()).float()[0, -1]  # no temperature: the logits [1, T, V]
+        got = ours(prompt, torch.arange(9).cuda()).float()[0, -1]
         token = torch.tensor([[int(want.argmax())]]).cuda()
         want_next = theirs(token, torch.tensor([9]).cuda()).float()[0, -1]
-        got_next = ours(token, torch.tensor([9]).cuda()).float()[0]
+        got_next = ours(token, torch.tensor([9]).cuda()).float()[0, -1]
     for w, g in ((want, got), (want_next, got_next)):
         assert (w - g).abs().max() <= 5e-2 * max(1.0, float(w.abs().max())), float((w - g).abs().max())
         assert _near_argmax(w, int(g.argmax()))

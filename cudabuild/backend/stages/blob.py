@@ -33,7 +33,7 @@ from cudabuild.backend.stages import compile as compile_stage
 from cudabuild.backend.stages import edge as edge_stage
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.console.trace import phase
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 
 OUTPUTS = ("model.so", "weights.blob")
 

@@ -54,15 +54,15 @@ from cudabuild.backend import aoti_constants, benchmark_lock, cpp_objects, devic
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
 from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.errors import CompileFailed, one_line
+from cudabuild.specs import times_kernels
 from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
 from cudabuild.engine.hashing import digest, sha256_file
 from cudabuild.backend import mapped_weights
 from cudabuild.backend import custom_ops, kernel_cache
 from cudabuild.backend.programs import StoredWeights, load_program, program_tensors
 from cudabuild.backend.stages.export import release_model
-from cudabuild.engine.tiers.redis import inductor_environment
 from cudabuild.engine import workers
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.backend.toolchain import inductor_root
 from cudabuild.engine.console.trace import phase
 from cudabuild.backend import tuning
@@ -83,7 +83,7 @@ def compile_environment(target: str, toolchain: dict, cache_dir: Path, store_roo
         env.update((toolchain.get("cuda") or {}).get("env") or {})
     # With a read-write CUDABUILD_REMOTE=redis://..., inductor's own autotune cache shares kernel
     # tuning through the same Redis (these variables are outside the toolchain fingerprint).
-    env.update(inductor_environment())
+    env.update(kernel_cache.remote_autotune_environment())
     return env
 
 
@@ -259,7 +259,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
                         triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before),
                         cpp_objects_cached=objects.cached + objects.fetched, cpp_objects_compiled=objects.compiled)
         if target == "cuda":
-            check_cuda_fallbacks(method, fallbacks, specs.get("max_autotune", "ON"))
+            check_cuda_fallbacks(method, fallbacks, autotuned=times_kernels(specs, target))
         used = sorted(fallbacks)
 
     so = next((p for p in paths if p.endswith(".wrapper.so")), None)
@@ -312,4 +312,4 @@ def _restore_tuning(ctx, cache_dir: Path, toolchain: dict, specs: dict, graph: s
     if stored and stored.get("files"):
         tuning.restore(cache_dir, stored["files"])
         return key, "replayed"
-    return key, "tuned" if specs.get("max_autotune") == "ON" else "none"
+    return key, "tuned" if times_kernels(specs, config.target) else "none"

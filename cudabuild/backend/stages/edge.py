@@ -30,7 +30,7 @@ from cudabuild.backend import custom_ops
 from cudabuild.backend.programs import StoredWeights, load_program, program_tensors
 from cudabuild.backend.stages.export import release_model
 from cudabuild.backend.stages.program_result import program_result
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 

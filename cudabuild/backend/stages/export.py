@@ -15,7 +15,7 @@ from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import canonical_json
 from cudabuild.backend.programs import StoredWeights
 from cudabuild.backend.stages.program_result import program_result
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 # The eager model of the latest (model, options) this process exported: all methods export the
@@ -89,7 +89,7 @@ def run(ctx) -> StageResult:
     metadata = dict(recipe.constant_methods(model)) if recipe.constant_methods else {}
     result.files["metadata.json"] = ctx.workdir / "metadata.json"
     result.files["metadata.json"].write_text(json.dumps(metadata, sort_keys=True))
-    if ctx.runner.workers > 1:
+    if ctx.workers > 1:
         # The next method's export may run in another worker, and an idle worker's model would
         # count against no stage's admission (cudabuild.engine.workers): let it go now.
         release_model()

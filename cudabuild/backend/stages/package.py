@@ -20,7 +20,7 @@ from cudabuild.errors import CompileFailed, one_line
 from cudabuild.backend import custom_ops
 from cudabuild.backend.programs import load_program
 from cudabuild.backend.stages.export import release_model
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.specs import serialized
 
 PTE = "model.pte"

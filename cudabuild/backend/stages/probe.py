@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cudabuild.engine.hashing import digest
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.backend.toolchain import probe
 
 

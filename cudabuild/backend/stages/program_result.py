@@ -15,7 +15,7 @@ from typing import Optional
 
 from cudabuild.backend.programs import (StoredWeights, code_digest, graph_digest, graph_summary, save_program,
                                         write_summary)
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 

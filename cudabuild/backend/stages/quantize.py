@@ -13,7 +13,7 @@ from pathlib import Path
 from cudabuild import registry
 from cudabuild.backend import device_peak
 from cudabuild.backend.stages.export import release_model
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.models.safetensors_parts import tensor_regions

@@ -28,7 +28,7 @@ from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.backend.programs import load_example_inputs, load_program
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.memory import collect_if_worth
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 FILE = "reference.pt"
@@ -86,7 +86,8 @@ def _truth(ctx, device: str, steps: list, result: dict) -> dict | None:
     if recipe.quantize is None or recipe.quantize.truth is None:
         return None
     method = next(m for m in recipe.methods if m.name == ctx.stage.method)
-    eager = {"tokens": [int(token.reshape(-1)[0]) for token, _ in result["steps"]], "states": result["states"]}
+    eager = {"tokens": [int(token.reshape(-1)[0]) for token, _ in result["steps"]],
+             "logits": [logits for _, logits in result["steps"]], "states": result["states"]}
     with phase("truth"), scoped_environ(kernel_cache.environment(ctx.store.root)):
         return recipe.quantize.truth(dict(config.options), quantized_folder(ctx), method.prepare or (lambda m, o: None),
                                      steps, device, eager)

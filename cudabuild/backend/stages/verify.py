@@ -24,7 +24,7 @@ from cudabuild.backend.stages import reference
 from cudabuild.backend.stages.blob import lowered_program, lowered_tensors
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.files import atomic_write_text
-from cudabuild.engine.runner import StageResult
+from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 # Max |diff| allowed relative to max(1, max |eager|), per output dtype. Recipes may override.

@@ -24,12 +24,12 @@ import hmac
 import json
 import os
 import socket
+import sys
 import threading
 import uuid
 from typing import BinaryIO, Callable, Iterable, Optional, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from cudabuild.engine.console import terminal
 from cudabuild.errors import one_line
 from cudabuild.engine.hashing import canonical_json
 from cudabuild.engine.records import well_formed  # the check the local store applies too
@@ -48,7 +48,10 @@ HEARTBEAT_JOIN_SECONDS = 5.0
 
 
 def warn_stderr(message: str) -> None:
-    terminal.warn(message)  # the terminal's stderr, also while a stage's output goes to its log
+    """The warning a tier gives when its creator named no other: a line on stderr. A build hands its
+    tiers the console's (cudabuild.engine.store), which reaches the terminal also while a stage's
+    output goes to its log; a tier itself knows no console."""
+    print(f"cudabuild: warning: {message}", file=sys.stderr, flush=True)
 
 
 def redact(url: str) -> str:

@@ -26,9 +26,8 @@ import json
 import os
 import time
 from typing import BinaryIO, Callable, Iterable, Optional
-from urllib.parse import urlsplit
 
-from cudabuild.engine.tiers.base import (MODE_ENV, POLL_SECONDS, REMOTE_ENV, UNREACHABLE, BlobStore, Degrading, Lease,
+from cudabuild.engine.tiers.base import (POLL_SECONDS, UNREACHABLE, BlobStore, Degrading, Lease,
                                          NoLease, Tier, lease_token, mib, redact, seal, warn_stderr)
 
 PREFIX = "cudabuild:"
@@ -41,26 +40,6 @@ CONNECT_TIMEOUT = 1.0
 # deletes the new holder's.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-
-
-def inductor_environment(environ=os.environ) -> dict[str, str]:
-    """Variables that point inductor's own remote autotune cache at the shared Redis.
-
-    Empty unless $CUDABUILD_REMOTE is a redis:// URL and the mode lets this builder write (inductor
-    cannot be made read-only). Inductor reads TORCHINDUCTOR_REDIS_URL first (it keeps the DB
-    number), else HOST and PORT. torch/_inductor/config.py reads TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE
-    once, at import, so the compile stage also patches `autotune_remote_cache` while it compiles.
-    """
-    url = environ.get(REMOTE_ENV, "").strip()
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss") or (environ.get(MODE_ENV, "").strip() == "read-only"):
-        return {}
-    return {
-        "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE": "1",
-        "TORCHINDUCTOR_REDIS_URL": url,
-        "TORCHINDUCTOR_REDIS_HOST": parts.hostname or "localhost",
-        "TORCHINDUCTOR_REDIS_PORT": str(parts.port or 6379),
-    }
 
 
 def fault_of(error: BaseException) -> tuple[str, bool]:

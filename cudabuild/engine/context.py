@@ -1,0 +1,92 @@
+"""What a stage function is handed (`StageContext`) and what it returns (`StageResult`).
+
+Every stage module (cudabuild/backend/stages/) has `run(ctx) -> StageResult`. The context names
+the build, the stage, its key and inputs, a fresh work directory, and reads upstream outputs
+through the runner that runs it (verified, and rebuilt by their producer when a blob turns out
+bad). Owns those two shapes only: it imports no other engine module than the graph's and the
+console's, so a stage does not load the runner to describe itself. Must not touch: how a stage is
+decided, run or stored (runner.py, executors.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from cudabuild.engine.console import terminal
+from cudabuild.engine.graph import Build, Stage
+
+
+@dataclass
+class StageResult:
+    """What a stage function returns: files it wrote (name -> path), its semantic digest and value.
+
+    `known` gives the sha256 of files the stage hashed already (so they are not read again);
+    `stored` names outputs that are blobs already in the store (name -> sha256), handed on from
+    upstream unchanged and so neither written nor hashed: a stage need not copy gigabytes of
+    weights it did not change. `regions` says where an output repeats bytes the store may hold.
+    """
+
+    files: dict[str, Path]
+    digest: Optional[str] = None
+    value: Optional[dict] = None
+    known: dict[str, str] = field(default_factory=dict)
+    stored: dict[str, str] = field(default_factory=dict)
+    # name -> [(offset, length)]: where an output may repeat bytes the store holds (a tensor's data,
+    # a constant in a weights blob), so it can be kept as ranges of them (cudabuild.engine.spans).
+    regions: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    """One run of one stage. `runner` is the Runner running it (cudabuild.engine.runner): stamps,
+    the store and upstream outputs are read through it."""
+
+    config: Build
+    stage: Stage
+    inputs: dict
+    key: str
+    workdir: Path
+    runner: Any
+    log: Callable[[str], None] = terminal.note
+
+    @property
+    def store(self):
+        return self.runner.store
+
+    @property
+    def workers(self) -> int:
+        """How many stages this build runs at once (cudabuild.engine.workers)."""
+        return self.runner.workers
+
+    def upstream(self, kind: str, method: Optional[str] = None):
+        """The stamp of an upstream stage: its outputs by name, digest and value."""
+        return self.runner.require_stamp(Stage(kind, method))
+
+    def blob(self, kind: str, method: Optional[str], name: str) -> bytes:
+        """An upstream output's bytes, verified; rebuilds the producer if the blob is bad."""
+        return self.runner.read_output(Stage(kind, method), name)
+
+    def blob_path(self, kind: str, method: Optional[str], name: str) -> Path:
+        """The store's own file of an upstream output, verified: to read or memory-map, never to
+        write. For outputs of gigabytes, which `blob` would copy into memory."""
+        return self.runner.output_path(Stage(kind, method), name)
+
+    def blob_file(self, kind: str, method: Optional[str], name: str):
+        """A context manager: a file of an upstream output's bytes for the block (Store.blob_file):
+        for a reader that needs a path once, without leaving a copy of a blob kept as spans."""
+        return self.runner.output_file(Stage(kind, method), name)
+
+    def reader(self, kind: str, method: Optional[str]) -> Callable[[str], Path]:
+        """`blob_path` of one upstream stage's outputs by name, with `.sha(name)` their sha256 and
+        `.mapped(name)` what Store.mapped_parts says of them."""
+        read = functools.partial(self.blob_path, kind, method)
+        read.sha = lambda name: self.upstream(kind, method).outputs[name]
+        # An output kept as ranges of other blobs: its (manifest, files), to map rather than materialize.
+        read.mapped = lambda name: self.runner.mapped_output(Stage(kind, method), name)
+        return read
+
+    def fetch(self, kind: str, method: Optional[str], name: str, dest: Path) -> Path:
+        return self.runner.fetch_output(Stage(kind, method), name, dest)
