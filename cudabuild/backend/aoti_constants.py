@@ -251,6 +251,13 @@ def write_blob(path: Path, table: dict, tensors: Mapping[str, object]) -> None:
         f.truncate(table["size"])
 
 
+def table_regions(table: Optional[dict]) -> list[tuple[int, int]]:
+    """[(offset, length)] of each constant's bytes in a weights blob laid out by `table`: where the
+    store may find them in the files the weights came from (cudabuild.engine.spans)."""
+    rows = (table or {}).get("constants") or []
+    return [(row["offset"], row["nbytes"]) for row in rows if isinstance(row, dict) and row.get("nbytes")]
+
+
 def unread_problem(table: dict, tensors: Mapping[str, object]) -> Optional[str]:
     """Why the .so may hold a weight's values in its code: a program tensor of more than one element
     (whose values the code digest leaves out) that is no constant of the .so. Inductor inlines small

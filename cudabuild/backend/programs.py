@@ -116,6 +116,7 @@ class SavedProgram:
     shas: dict[str, str]
     reused: dict[str, str]
     index: dict[str, str]
+    regions: dict[str, list] = field(default_factory=dict)  # tensor file -> its storages' (offset, length)
 
     @property
     def weights(self) -> dict[str, str]:
@@ -129,7 +130,7 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> Sav
     from executorch.exir.serde.serialize import serialize
 
     folder.mkdir(parents=True, exist_ok=True)
-    files, shas, reused, index = {}, {}, {}, {}
+    files, shas, reused, index, regions = {}, {}, {}, {}, {}
     for fqn, tensor in ep.state_dict.items():
         name = index[fqn] = TENSOR_PREFIX + fqn
         known = reuse.sha_of(tensor) if reuse is not None else None
@@ -139,6 +140,7 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> Sav
         files[name] = folder / name
         torch.save(tensor, files[name])
         shas[name] = sha256_file(files[name])
+        regions[name] = archive_regions(files[name])
         if reuse is not None:
             reuse.add(tensor, shas[name])
     # serialize() would copy every weight into its own bytes; it only needs the graph, so it gets a
@@ -151,7 +153,7 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> Sav
         files[name] = folder / name
         files[name].write_bytes(data)
         shas[name] = hashlib.sha256(data).hexdigest()
-    return SavedProgram(files, shas, reused, index)
+    return SavedProgram(files, shas, reused, index, regions)
 
 
 def _without_state(ep):
@@ -163,19 +165,148 @@ def _without_state(ep):
     return bare
 
 
+def archive_regions(path: Path) -> list[tuple[int, int]]:
+    """[(offset, length)] of each storage's bytes in a torch.save archive (a zip whose members are
+    stored, not compressed): the regions by which the store finds them in other files."""
+    import zipfile
+
+    regions = []
+    with open(path, "rb") as raw, zipfile.ZipFile(raw) as archive:
+        for info in archive.infolist():
+            if "/data/" in info.filename and info.compress_type == zipfile.ZIP_STORED and info.file_size:
+                regions.append((_member_offset(raw, info), info.file_size))
+    return regions
+
+
+def _member_offset(raw, info) -> int:
+    """Where a stored zip member's bytes start: after its local header (30 bytes, the name, the extra field)."""
+    import struct
+
+    raw.seek(info.header_offset + 26)
+    name_length, extra_length = struct.unpack("<HH", raw.read(4))
+    return info.header_offset + 30 + name_length + extra_length
+
+
+class _SpanFile(io.RawIOBase):
+    """A blob kept as spans (cudabuild.engine.spans), read at random: what zipfile needs to find a
+    torch.save archive's members without the archive being written out whole."""
+
+    def __init__(self, manifest: dict, paths: dict):
+        import base64
+
+        super().__init__()
+        self.parts, self.starts, at = [], [], 0
+        for part in manifest["parts"]:
+            if part[0] == "blob":
+                entry = ("blob", paths[part[1]], part[2], part[3])
+            elif part[0] == "zeros":
+                entry = ("zeros", None, 0, part[1])
+            else:
+                data = base64.b64decode(part[1])
+                entry = ("bytes", data, 0, len(data))
+            self.parts.append(entry)
+            self.starts.append(at)
+            at += entry[3]
+        self.size, self.position, self._files = at, 0, {}
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def where(self, offset: int) -> tuple[int, int]:
+        """(the part holding byte `offset`, the offset within it)."""
+        import bisect
+
+        index = bisect.bisect_right(self.starts, offset) - 1
+        return index, offset - self.starts[index]
+
+    def readinto(self, buffer) -> int:
+        if self.position >= self.size:
+            return 0
+        index, inner = self.where(self.position)
+        kind, source, start, length = self.parts[index]
+        n = min(len(buffer), length - inner)
+        if kind == "zeros":
+            buffer[:n] = bytes(n)
+        elif kind == "bytes":
+            buffer[:n] = source[inner:inner + n]
+        else:
+            handle = self._files.get(source) or self._files.setdefault(source, open(source, "rb"))
+            handle.seek(start + inner)
+            buffer[:n] = handle.read(n)
+        self.position += n
+        return n
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        super().close()
+
+
+def _load_mapped_archive(manifest: dict, paths: dict):
+    """torch.load of a torch.save archive kept as spans: the small members (the pickle) read, each
+    storage mapped (copy-on-write) from the file that holds its bytes, so a weight of gigabytes is
+    neither read nor written out here; the restricted unpickler torch.load(weights_only=True) uses."""
+    import zipfile
+
+    import numpy as np
+    from torch import _weights_only_unpickler
+
+    span_file = _SpanFile(manifest, paths)
+    with zipfile.ZipFile(span_file) as archive:
+        prefix = archive.namelist()[0].split("/")[0]
+
+        def storage(key: str, nbytes: int) -> torch.UntypedStorage:
+            info = archive.getinfo(f"{prefix}/data/{key}")
+            offset = _member_offset(span_file, info)
+            index, inner = span_file.where(offset)
+            kind, source, start, length = span_file.parts[index]
+            if nbytes and kind == "blob" and inner + nbytes <= length:
+                mapped = np.memmap(source, dtype=np.uint8, mode="c", offset=start + inner, shape=(nbytes,))
+                return torch.from_numpy(mapped).untyped_storage()
+            data = archive.read(info)[:nbytes]  # a small tensor, or one the glue holds: read
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)
+
+        def persistent_load(saved_id):
+            _, storage_type, key, _, numel = saved_id
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            nbytes = numel * torch._utils._element_size(dtype)
+            return torch.storage.TypedStorage(wrap_storage=storage(str(key), nbytes), dtype=dtype, _internal=True)
+
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl")), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        return unpickler.load()
+
+
 def _load_state(read: Callable[[str], Union[bytes, Path]], reuse: Optional[StoredWeights], skip=frozenset()) -> dict:
     """The stored program's weights by FQN (but those in `skip`, whose files are not even asked
-    for): each mapped from its file where `read` gives a path."""
+    for): each mapped from its file where `read` gives a path, or from the files its bytes lie in
+    where the store keeps it as ranges of them (`read.mapped`)."""
     index = json.loads(_data(read, "weights.json"))
+    mapped = getattr(read, "mapped", None)
     state = {}
     for fqn, name in index.items():
         if fqn in skip:
             continue
-        part = read(name)
-        if isinstance(part, bytes):
-            state[fqn] = torch.load(io.BytesIO(part), weights_only=True)
-            continue
-        state[fqn] = torch.load(part, weights_only=True, mmap=True)
+        view = mapped(name) if mapped is not None else None
+        if view is not None:
+            state[fqn] = _load_mapped_archive(*view)
+        else:
+            part = read(name)
+            if isinstance(part, bytes):
+                state[fqn] = torch.load(io.BytesIO(part), weights_only=True)
+                continue
+            state[fqn] = torch.load(part, weights_only=True, mmap=True)
         sha = getattr(read, "sha", None)
         if reuse is not None and sha is not None:
             reuse.add(state[fqn], sha(name))

@@ -79,7 +79,17 @@ class Pins:
 
     def holds(self, entry_key: str) -> bool:
         kind, _, name = entry_key.partition(":")
-        return name in (self.blobs if kind == "blob" else self.keys if kind == "rec" else ())
+        return name in (self.blobs if kind in ("blob", "spans") else self.keys if kind == "rec" else ())
+
+    def with_spans(self, store: Store) -> "Pins":
+        """These pins, and the blobs each pinned blob kept as spans reads from (cudabuild.engine.spans)."""
+        from cudabuild.engine.spans import referenced
+
+        for sha in list(self.blobs):
+            manifest = store.spans_of(sha)
+            if manifest is not None:
+                self.blobs.update(referenced(manifest))
+        return self
 
 
 def pins(project: Path) -> Pins:
@@ -169,11 +179,11 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
     With dry_run, the report says what would be evicted and deleted, and the store is left as it is.
     With beside=False, the folders beside the store are neither counted nor evicted."""
     now = time.time() if now is None else now
-    pinned = pins(project)
-    entries = store.entries("blob:") + store.entries("rec:")
+    pinned = pins(project).with_spans(store)
+    entries = store.entries("blob:") + store.entries("spans:") + store.entries("rec:")
     report = GcReport(max_bytes=max_bytes, max_age_days=max_age_days, stamps=pinned.stamps, dry_run=dry_run)
     kept = [e for e in entries if pinned.holds(e.key)]
-    report.pinned_blobs = sum(1 for e in kept if e.key.startswith("blob:"))
+    report.pinned_blobs = sum(1 for e in kept if e.key.startswith(("blob:", "spans:")))
     report.pinned_bytes = sum(e.bytes for e in kept)
     total = sum(e.bytes for e in entries)
     beside_left = _gc_beside(store.root, report, total, now, dry_run) if beside else 0
@@ -190,7 +200,7 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
             continue
         total -= entry.bytes
         report.evicted_bytes += entry.bytes
-        if entry.key.startswith("blob:"):
+        if entry.key.startswith(("blob:", "spans:")):
             report.evicted_blobs += 1
         else:
             report.evicted_records += 1
@@ -318,8 +328,8 @@ def verify(store: Store, project: Path) -> VerifyReport:
         for name, sha in (record.get("outputs") or {}).items():
             names.setdefault(sha, f"{record.get('stage', '?')} {name}")
     report = VerifyReport()
-    for entry in store.entries("blob:"):
-        sha = entry.key[len("blob:"):]
+    for entry in store.entries("blob:") + store.entries("spans:"):
+        sha = entry.key.partition(":")[2]
         report.checked += 1
         report.checked_bytes += entry.bytes
         if not store.verify_blob(sha):
@@ -361,6 +371,7 @@ class Stats:
     unknown_bytes: int = 0  # served results whose record is no longer in the store
     # Folders stages keep in the cache beside the store (compiled Triton kernels): name -> (files, bytes)
     folders: dict = field(default_factory=dict)
+    spans_bytes: int = 0  # what the blobs kept as spans hold (their manifests take usage["spans"])
 
     @property
     def all(self) -> KindStats:
@@ -372,11 +383,14 @@ class Stats:
 
     def lines(self, root: Path) -> list[str]:
         u = self.usage
-        blobs, recs = u.get("blob", (0, 0)), u.get("rec", (0, 0))
-        other = [u[k] for k in u if k not in ("blob", "rec")]
+        blobs, recs, spanned = u.get("blob", (0, 0)), u.get("rec", (0, 0)), u.get("spans", (0, 0))
+        other = [u[k] for k in u if k not in ("blob", "rec", "spans")]
         out = [f"cache {root}: {plural(blobs[0], 'blob')} {format_bytes(blobs[1])}, {plural(recs[0], 'record')} "
                f"{format_bytes(recs[1])}, {plural(sum(c for c, _ in other), 'other entry', 'other entries')} "
                f"{format_bytes(sum(b for _, b in other))} (memo, docs, build log)"]
+        if spanned[0]:
+            out.append(f"{plural(spanned[0], 'blob')} of {format_bytes(self.spans_bytes)} kept as ranges of the others "
+                       f"(manifests of {format_bytes(spanned[1])}): bytes stored once across the files that hold them")
         for name, (files, size) in sorted(self.folders.items()):
             out.append(f"beside it: {name}/ {plural(files, 'file')} {format_bytes(size)}")
         if not self.builds:
@@ -399,6 +413,12 @@ def stats(store: Store, last: Optional[int] = None) -> Stats:
     """Counts by stage kind over the last `last` logged builds (all when None)."""
     log = store.build_log(last)
     sizes = {e.key[len("blob:"):]: e.bytes for e in store.entries("blob:")}
+    spans_bytes = 0
+    for entry in store.entries("spans:"):  # what a blob kept as spans holds, not its manifest's bytes
+        manifest = store.spans_of(entry.key[len("spans:"):])
+        if manifest is not None:
+            sizes[entry.key[len("spans:"):]] = manifest["size"]
+            spans_bytes += manifest["size"]
     records = dict(store.records())
     kinds: dict[str, KindStats] = {}
     unknown = 0
@@ -417,7 +437,7 @@ def stats(store: Store, last: Optional[int] = None) -> Stats:
                 unknown += 1
             else:
                 k.saved_bytes += sum(sizes.get(sha, 0) for sha in (record.get("outputs") or {}).values())
-    return Stats(store.usage(), len(log), kinds, unknown, _folders_beside(store.root))
+    return Stats(store.usage(), len(log), kinds, unknown, _folders_beside(store.root), spans_bytes)
 
 
 # The store's own folders (diskcache's, its write area, the build locks); any other folder in the

@@ -26,7 +26,7 @@ class StageResult:
     `known` gives the sha256 of files the stage hashed already (so they are not read again);
     `stored` names outputs that are blobs already in the store (name -> sha256), handed on from
     upstream unchanged and so neither written nor hashed: a stage need not copy gigabytes of
-    weights it did not change.
+    weights it did not change. `regions` says where an output repeats bytes the store may hold.
     """
 
     files: dict[str, Path]
@@ -34,6 +34,9 @@ class StageResult:
     value: Optional[dict] = None
     known: dict[str, str] = field(default_factory=dict)
     stored: dict[str, str] = field(default_factory=dict)
+    # name -> [(offset, length)]: where an output may repeat bytes the store holds (a tensor's data,
+    # a constant in a weights blob), so it can be kept as ranges of them (cudabuild.engine.spans).
+    regions: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,10 +74,18 @@ class StageContext:
         write. For outputs of gigabytes, which `blob` would copy into memory."""
         return self.runner.output_path(Stage(kind, method), name)
 
+    def blob_file(self, kind: str, method: Optional[str], name: str):
+        """A context manager: a file of an upstream output's bytes for the block (Store.blob_file):
+        for a reader that needs a path once, without leaving a copy of a blob kept as spans."""
+        return self.runner.output_file(Stage(kind, method), name)
+
     def reader(self, kind: str, method: Optional[str]) -> Callable[[str], Path]:
-        """`blob_path` of one upstream stage's outputs by name, with `.sha(name)` their sha256."""
+        """`blob_path` of one upstream stage's outputs by name, with `.sha(name)` their sha256 and
+        `.mapped(name)` what Store.mapped_parts says of them."""
         read = functools.partial(self.blob_path, kind, method)
         read.sha = lambda name: self.upstream(kind, method).outputs[name]
+        # An output kept as ranges of other blobs: its (manifest, files), to map rather than materialize.
+        read.mapped = lambda name: self.runner.mapped_output(Stage(kind, method), name)
         return read
 
     def fetch(self, kind: str, method: Optional[str], name: str, dest: Path) -> Path:

@@ -246,7 +246,8 @@ class Runner:
         into build/ too), the record, then the stamp; then written back to the shared tier. Called
         while the stage's work directory still holds its files."""
         with trace.phase("store writes"):
-            outputs = {name: self.store.put_file(path, result.known.get(name)) for name, path in sorted(result.files.items())}
+            outputs = {name: self.store.put_file(path, result.known.get(name), result.regions.get(name))
+                       for name, path in sorted(result.files.items())}
             outputs.update(self._stored(stage, result.stored))
         seconds = round(time.monotonic() - started, 3)
         stage_digest = result.digest or digest(outputs)
@@ -310,3 +311,19 @@ class Runner:
 
     def output_path(self, stage: Stage, name: str) -> Path:
         return self._serve(stage, name, self.store.verified_path)
+
+    @contextlib.contextmanager
+    def output_file(self, stage: Stage, name: str):
+        """A private file of an upstream output for the block (Store.blob_file), its producer run
+        again where the blob is bad, as `_serve` does."""
+        with contextlib.ExitStack() as stack:
+            try:
+                path = stack.enter_context(self.store.blob_file(self._sha_of(stage, name), for_name=name))
+            except (CorruptBlob, MissingBlob) as e:
+                terminal.warn(str(e))
+                self._rebuild(stage)
+                path = stack.enter_context(self.store.blob_file(self._sha_of(stage, name), for_name=name))
+            yield path
+
+    def mapped_output(self, stage: Stage, name: str):
+        return self._serve(stage, name, self.store.mapped_parts)

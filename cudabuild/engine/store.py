@@ -5,7 +5,11 @@ Layout inside one diskcache.Cache at `$CUDABUILD_CACHE_DIR` (default `~/.cache/c
   killed writer leaves an orphan file, never a half-written entry);
 - `rec:<key>`      -> JSON: what a stage with that action key produced
   (`{"stage", "digest", "outputs": {name: sha256}, "seconds", "created"}`);
-- `stat:<path>`    -> the file-hash memo (see hashing.FileHasher).
+- `stat:<path>`    -> the file-hash memo (see hashing.FileHasher);
+- `spans:<sha256>` -> a blob kept as ranges of other blobs (cudabuild.engine.spans: one copy of a
+  weight's bytes across the files that hold it), its bytes materialized under `spans/` beside the
+  store only for a reader that needs a path, a file gc may delete;
+- `range:<sha256>` -> where a plain blob holds those bytes: the index spans are found by.
 
 Every blob is re-hashed on its way out; one that does not match is deleted and reported as
 `CorruptBlob`, so callers rebuild it instead of serving it. Blobs of gigabytes are also handed out
@@ -38,7 +42,7 @@ from typing import Iterator, Optional
 import diskcache
 
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
-from cudabuild.engine import diskcache_rows
+from cudabuild.engine import diskcache_rows, spans
 from cudabuild.engine.console import terminal
 from cudabuild.engine.diskcache_rows import Entry
 from cudabuild.engine.files import atomic_copy, temporary_file
@@ -93,8 +97,41 @@ class Store:
         # The row alone is not enough: diskcache keeps the bytes in a file of their own, and with
         # the file gone (deleted by hand, a partial restore of the cache dir) and the row kept,
         # put_file skipped the write, so a producer run again to replace the blob could never
-        # make it readable and the build failed on every retry.
+        # make it readable and the build failed on every retry. A blob kept as spans is there
+        # when every blob it reads from is.
+        if self._plain(sha):
+            return True
+        manifest = self._spans(sha)
+        return manifest is not None and all(self._plain(s) for s in spans.referenced(manifest))
+
+    def _plain(self, sha: str) -> bool:
         return diskcache_rows.readable(self.cache, "blob:" + sha)
+
+    def _spans(self, sha: str) -> Optional[dict]:
+        raw = diskcache_rows.peek(self.cache, "spans:" + sha)
+        try:
+            manifest = json.loads(raw) if raw is not None else None
+        except (ValueError, TypeError):
+            manifest = None
+        if raw is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("parts"), list)):
+            self.cache.delete("spans:" + sha)  # damaged: a miss, as a damaged record is
+            return None
+        return manifest
+
+    def _locate(self, raw_sha: str, length: int) -> Optional[list]:
+        """Where the store holds these bytes already (cudabuild.engine.spans.Locate): a range of a
+        plain blob from the index, a whole plain blob, or a whole blob kept as spans (its parts)."""
+        raw = diskcache_rows.peek(self.cache, "range:" + raw_sha)
+        if raw is not None:
+            where = json.loads(raw)
+            if where.get("length") == length and self._plain(where.get("blob", "")):
+                return [["blob", where["blob"], where["offset"], length]]
+        if self._plain(raw_sha):
+            return [["blob", raw_sha, 0, length]] if self.blob_bytes([raw_sha]) == length else None
+        manifest = self._spans(raw_sha)
+        if manifest is not None and manifest.get("size") == length and self.has_blob(raw_sha):
+            return manifest["parts"]
+        return None
 
     @contextlib.contextmanager
     def _refused(self, doing: str) -> Iterator[None]:
@@ -118,14 +155,32 @@ class Store:
         with self._refused(f"reading {what}"):
             return self.cache.get(key, **options)
 
-    def put_file(self, path: os.PathLike | str, sha: Optional[str] = None) -> str:
-        """Store a file's bytes under their sha256 (once: an existing blob is not rewritten)."""
+    def put_file(self, path: os.PathLike | str, sha: Optional[str] = None, regions=None) -> str:
+        """Store a file's bytes under their sha256 (once: an existing blob is not rewritten).
+
+        `regions` ([(offset, length)]: a tensor's bytes in the file, say) are where the file may
+        repeat bytes the store holds already: when every big one does, the file is kept as spans
+        of those (cudabuild.engine.spans), else plainly, its regions entered in the index so that
+        later files can be kept as spans of it."""
         sha = sha or sha256_file(path)
-        if not self.has_blob(sha):
-            with open(path, "rb") as f:
-                self._set("blob:" + sha, f, Path(path).name, read=True)
-            # Its bytes were just hashed on their way in: verified_path need not read them again.
-            self.hasher.remember(self.blob_path(sha), sha)
+        if self.has_blob(sha):
+            return sha
+        found = spans.region_digests(path, regions) if regions else []
+        if found:
+            size = os.path.getsize(path)
+            parts = spans.plan(path, size, found, self._locate)
+            text = json.dumps({"size": size, "parts": parts}, separators=(",", ":")) if parts is not None else None
+            if text is not None and len(text) <= size * spans.MAX_MANIFEST_SHARE:
+                self._set("spans:" + sha, text, Path(path).name)
+                return sha
+        with open(path, "rb") as f:
+            self._set("blob:" + sha, f, Path(path).name, read=True)
+        # Its bytes were just hashed on their way in: verified_path need not read them again.
+        self.hasher.remember(self.blob_path(sha), sha)
+        for offset, length, raw_sha in found:
+            if raw_sha != spans.ZEROS and length >= spans.MIN_REGION and diskcache_rows.peek(self.cache, "range:" + raw_sha) is None:
+                where = {"blob": sha, "offset": offset, "length": length}
+                self._set("range:" + raw_sha, json.dumps(where, sort_keys=True), "the index of stored bytes")
         return sha
 
     def put_bytes(self, data: bytes) -> str:
@@ -136,6 +191,14 @@ class Store:
 
     @contextlib.contextmanager
     def _open_blob(self, sha: str) -> Iterator[io.BufferedReader]:
+        manifest = None if self._plain(sha) else self._spans(sha)
+        if manifest is not None:
+            reader = spans.SpanReader(manifest, self._open_plain)
+            try:
+                yield reader
+            finally:
+                reader.close()
+            return
         handle = self._get("blob:" + sha, f"blob {sha[:12]}", read=True)
         if handle is None:
             # diskcache also says None for a row whose file is gone: drop the row with it, or it
@@ -146,6 +209,12 @@ class Store:
             yield handle
         finally:
             handle.close()
+
+    def _open_plain(self, sha: str):
+        handle = self._get("blob:" + sha, f"blob {sha[:12]}", read=True)
+        if handle is None:
+            raise MissingBlob(f"blob {sha[:12]}, which a stored file reads from, is not in the cache at {self.root}")
+        return handle
 
     def _ensure_local(self, sha: str) -> None:
         """Copy a blob missing here from the remote tier, when there is one and it holds the blob."""
@@ -172,8 +241,27 @@ class Store:
         blob is dropped and never replaces what dest held."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)  # as any atomic write does, whatever the check then finds
+        self._ensure_local(sha)
+        if not self._plain(sha) and self._spans(sha) is not None:  # written from its parts: no copy beside the store
+            self._write_spans(sha, dest, for_name=dest.name)
+            return dest
         atomic_copy(self.verified_path(sha, for_name=dest.name), dest)
         return dest
+
+    def _write_spans(self, sha: str, dest: Path, for_name: Optional[str] = None) -> None:
+        """A blob kept as spans written whole to `dest` (atomically), its bytes checked on the way."""
+        with temporary_file(dest.parent, prefix=f".{dest.name}.") as tmp:
+            with open(tmp, "wb") as out:
+                try:
+                    got = self._hash_blob(sha, out)
+                except (MissingBlob, OSError):
+                    got = None
+            if got != sha:
+                self.drop_blob(sha)
+                if got is None:
+                    raise MissingBlob(f"blob {sha[:12]} reads from a blob that is gone from the cache at {self.root}")
+                raise CorruptBlob(sha, for_name)
+            os.replace(tmp, dest)
 
     def verified_path(self, sha: str, for_name: Optional[str] = None) -> Path:
         """The blob's own file in the store, its bytes checked against `sha`: to read or map, never
@@ -181,6 +269,13 @@ class Store:
         blob of gigabytes is re-hashed once per change of its file, not on every read. `for_name`:
         what the blob is for, in the error when it is corrupt (default: its file here)."""
         self._ensure_local(sha)
+        if not self._plain(sha) and self._spans(sha) is not None:
+            path = self.root / "spans" / sha  # materialized once, for readers that map a path
+            if not (path.exists() and self.hasher(path) == sha):
+                path.parent.mkdir(exist_ok=True)
+                self._write_spans(sha, path, for_name)
+                self.hasher.remember(path, sha)
+            return path
         path = self.blob_path(sha)  # MissingBlob when it is gone
         if self.hasher(path) != sha:
             self.drop_blob(sha)
@@ -207,11 +302,47 @@ class Store:
 
     def drop_blob(self, sha: str) -> None:
         self.cache.delete("blob:" + sha)
+        self.cache.delete("spans:" + sha)
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / "spans" / sha).unlink()
 
     def blob_path(self, sha: str) -> Optional[Path]:
         """Where diskcache keeps a blob's file (for tests that damage it on purpose)."""
-        with self._open_blob(sha) as handle:
-            return Path(handle.name)
+        handle = self._get("blob:" + sha, f"blob {sha[:12]}", read=True)
+        if handle is None:
+            self.drop_blob(sha)
+            raise MissingBlob(f"blob {sha[:12]} is not in the cache at {self.root}")
+        handle.close()
+        return Path(handle.name)
+
+    def spans_of(self, sha: str) -> Optional[dict]:
+        """The manifest of a blob kept as spans ({size, parts}), or None for a plain or absent one."""
+        return None if self._plain(sha) else self._spans(sha)
+
+    @contextlib.contextmanager
+    def blob_file(self, sha: str, for_name: Optional[str] = None) -> Iterator[Path]:
+        """A file of the blob's bytes for the block's length: the store's own for a plain blob (as
+        verified_path), a private copy for one kept as spans, deleted after the block (a reader
+        that needs a path once: what is written out for it does not stay beside the store)."""
+        self._ensure_local(sha)
+        if self._plain(sha) or self._spans(sha) is None:
+            yield self.verified_path(sha, for_name)
+            return
+        folder = self.root / "spans"
+        folder.mkdir(exist_ok=True)
+        with temporary_file(folder, prefix=f".{sha[:16]}.") as tmp:
+            self._write_spans(sha, Path(tmp), for_name)
+            yield Path(tmp)
+
+    def mapped_parts(self, sha: str) -> Optional[tuple[dict, dict[str, Path]]]:
+        """For a blob kept as spans: (its manifest, {plain blob: its verified file}), so a reader can
+        map the ranges instead of having the blob materialized; None for a plain one. A blob it reads
+        from that is gone or corrupt raises, as verified_path does."""
+        self._ensure_local(sha)
+        manifest = self.spans_of(sha)
+        if manifest is None:
+            return None
+        return manifest, {blob: self.verified_path(blob) for blob in sorted(spans.referenced(manifest))}
 
     # -- action records ------------------------------------------------------------------------
 
@@ -321,8 +452,9 @@ class Store:
         return diskcache_rows.entries(self.cache, prefix)
 
     def blob_bytes(self, shas) -> int:
-        """The bytes of the distinct blobs among `shas` that this cache holds (absent ones count 0)."""
-        keys = sorted({"blob:" + sha for sha in shas})
+        """The bytes of the distinct blobs among `shas` that this cache holds (absent ones count 0;
+        one kept as spans counts its manifest, what it takes on disk)."""
+        keys = sorted({prefix + sha for sha in shas for prefix in ("blob:", "spans:")})
         return sum(diskcache_rows.sizes(self.cache, keys).values())
 
     def usage(self) -> dict[str, tuple[int, int]]:
@@ -332,7 +464,7 @@ class Store:
     def size(self) -> int:
         """Bytes held in blobs and records: what a size limit (gc, CUDABUILD_CACHE_MAX_SIZE) bounds."""
         usage = self.usage()
-        return sum(usage.get(kind, (0, 0))[1] for kind in ("blob", "rec"))
+        return sum(usage.get(kind, (0, 0))[1] for kind in ("blob", "rec", "spans"))
 
     def peek_record(self, key: str) -> Optional[dict]:
         """Like get_record, without marking the record as used."""

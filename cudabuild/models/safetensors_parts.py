@@ -101,6 +101,17 @@ def header_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def tensor_regions(path: str | os.PathLike) -> list[tuple[int, int]]:
+    """[(offset, length)] of each tensor's bytes in the file (what the store indexes, so that later
+    files holding the same bytes are kept as ranges of this one); [] for a file it cannot read."""
+    try:
+        entries, start, _ = read_raw_header(path)
+        return [(start + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0])
+                for name, e in entries.items() if name != METADATA]
+    except (HeaderError, KeyError, TypeError, IndexError):
+        return []
+
+
 def tensor_digests(path: str | os.PathLike) -> dict[str, str]:
     """{tensor name: sha256 of its dtype, shape and bytes} for one .safetensors file, plus the
     header's __metadata__ when it has one. A file that is not safetensors (or is damaged) keys as

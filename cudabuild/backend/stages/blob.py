@@ -79,6 +79,7 @@ def run(ctx) -> StageResult:
     with phase("write"):
         aoti_constants.write_blob(path, table, tensors)
     return StageResult({"weights.blob": path}, value={"blob": "rewritten", "note": "weights blob rewritten, code as compiled"},
+                       regions={"weights.blob": aoti_constants.table_regions(table)},
                        stored={"model.so": compiled.outputs["model.so"]})
 
 

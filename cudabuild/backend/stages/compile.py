@@ -292,7 +292,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
     # Downstream depends on the code and its constant table, not on the weights in the blob beside
     # them, nor on the tuning timings.
     return StageResult(files, digest=digest({n: shas[n] for n in ("model.so", "constants.json")}), value=value,
-                       known=shas)
+                       known=shas, regions={"weights.blob": aoti_constants.table_regions(dict(table) if table else None)})
 
 
 def _write_json(path: Path, value) -> Path:

@@ -52,14 +52,35 @@ def run(ctx) -> StageResult:
         json.loads(ctx.blob("export", methods[0], "metadata.json")), ctx.workdir, config.model,
         config.description.get("lowering"),
     )
-    return StageResult(files, value={"stand_in": [m for m in methods if m not in relowered], "relowered": relowered})
+    # The .ptd's segments are the weights blobs: the store keeps it as ranges of them (cudabuild.engine.spans).
+    regions = {name: ptd_regions(path) for name, path in files.items() if name.endswith(".ptd")}
+    return StageResult(files, value={"stand_in": [m for m in methods if m not in relowered], "relowered": relowered},
+                       regions=regions)
+
+
+def ptd_regions(path: Path) -> list[tuple[int, int]]:
+    """[(offset, length)] of each segment (a weights blob) of an ExecuTorch .ptd, from its header
+    and flatbuffer alone; [] for a file it cannot read."""
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
+            header = FlatTensorHeader.from_bytes(head[8:])
+            if not header.is_valid():
+                return []
+            f.seek(0)
+            flat = _deserialize_to_flat_tensor(f.read(header.flatbuffer_offset + header.flatbuffer_size))
+        return [(header.segment_base_offset + s.offset, s.size) for s in flat.segments]
+    except Exception:  # a layout this ExecuTorch does not describe: stored plainly, as before
+        return []
 
 
 def _read_once(ctx, method: str, sha: str, read: dict) -> bytes:
     """A method's weights blob, read into memory once per distinct blob (`read`: sha256 -> bytes):
     the methods' blobs hold the same weights, and one copy of tens of GB is what packaging may hold."""
-    if sha not in read:
-        read[sha] = ctx.blob_path("blob", method, "weights.blob").read_bytes()
+    if sha not in read:  # streamed: a blob kept as ranges of others is not written out to be read
+        read[sha] = ctx.blob("blob", method, "weights.blob")
     return read[sha]
 
 

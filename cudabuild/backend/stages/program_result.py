@@ -31,4 +31,4 @@ def program_result(ep, workdir: Path, reuse: Optional[StoredWeights], own: Optio
     code = code_digest(ep, summary, own)
     return StageResult(files, digest=graph_digest(summary),
                        value={"nodes": len(summary["nodes"]), "weights_reused": len(saved.reused), "facets": {"code": code}},
-                       known=saved.shas, stored=saved.reused)
+                       known=saved.shas, stored=saved.reused, regions=saved.regions)

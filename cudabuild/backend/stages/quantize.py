@@ -16,6 +16,7 @@ from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
+from cudabuild.models.safetensors_parts import tensor_regions
 
 
 def run(ctx) -> StageResult:
@@ -38,4 +39,7 @@ def run(ctx) -> StageResult:
     value.update(device_peak.peak(device))
     if device == "cuda":
         torch.cuda.empty_cache()
-    return StageResult(files, value=value)
+    # The bundle's tensors, by where they lie in it: the exports' weight files repeat them, and are
+    # then kept as ranges of the bundle (cudabuild.engine.spans) instead of a second copy.
+    regions = {name: tensor_regions(path) for name, path in files.items() if name.endswith(".safetensors")}
+    return StageResult(files, value=value, regions=regions)

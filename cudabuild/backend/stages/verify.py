@@ -92,7 +92,13 @@ def run(ctx) -> StageResult:
     outputs = expected["outputs"]
     compute = getattr(torch, expected["computed_in"])
     so = ctx.fetch("blob", method, "model.so", ctx.workdir / "model.so")
-    blob = ctx.blob_path("blob", method, "weights.blob")
+    # A file of the weights blob while the compiled code runs and a mismatch is located: the
+    # store's own, or a copy of one it keeps as ranges of others, gone after (Store.blob_file).
+    with ctx.blob_file("blob", method, "weights.blob") as blob:
+        return _judge_outputs(ctx, method, inputs, outputs, compute, so, blob, device)
+
+
+def _judge_outputs(ctx, method: str, inputs: tuple, outputs: list, compute, so, blob, device: str) -> StageResult:
     with phase("compiled"):
         actual, report_load = run_compiled_lean(ctx, method, str(so), blob, inputs, device)
     tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
@@ -138,8 +144,7 @@ def _verify_sampling_method(ctx, expected: dict, device: str) -> StageResult:
     tolerances = dict(TOLERANCES, **ctx.config.description.get("tolerances", {}))
     tolerance = tolerances.get(expected["computed_in"], 1e-4)
     so = ctx.fetch("blob", method, "model.so", ctx.workdir / "model.so")
-    blob = ctx.blob_path("blob", method, "weights.blob")
-    with phase("compiled"):
+    with phase("compiled"), ctx.blob_file("blob", method, "weights.blob") as blob:
         runner = load_compiled(str(so), str(blob), device)
         compiled, compiled_states = sampled_logits.compiled_steps(runner, steps, device, expected["buffers"])
         del runner

@@ -1,0 +1,211 @@
+"""Blobs kept as ranges of other blobs: one copy of a tensor's bytes across the files that hold it.
+
+A big model's weights pass through several files that each hold all of them: the quantized
+bundle, the exported program's weight files, AOTInductor's weights blob, the .ptd. Stored as blobs
+of their own, a 35B-A3B build at 8 layers held 6-7 copies (issue 45). Here a file whose big
+regions are bytes the store holds already is stored as *spans*: a manifest {size, parts} whose
+parts are ranges of other, plain blobs, runs of zeros, or a few literal bytes (the glue: headers,
+alignment). The bytes are found by content, through an index the store keeps: when a file is
+stored plainly, the regions its producer declares (a tensor's data in a safetensors file or a
+torch.save archive, a constant in AOTInductor's blob) are entered as raw sha256 -> (blob, offset,
+length); a whole blob is found by its own sha256. A later file whose declared regions are all
+found, and whose glue is small, becomes a manifest of a few hundred bytes a tensor.
+
+Reading: `SpanReader` streams a manifest's bytes (restoring into build/, uploading to a shared
+tier, hashing); a reader that must map a path gets the bytes materialized once beside the store
+(Store.verified_path), a file gc may delete at any time. Every read is checked against the
+blob's sha256, as a plain blob's is, so a range whose source changed or went missing is never
+served: the blob reads as missing and its producer runs again.
+
+Owns the manifest format, finding regions and planning a manifest, and the stream. Must not
+touch diskcache (cudabuild.engine.store holds the entries) or anything above the engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+from typing import Callable, Iterable, Optional, Sequence
+
+from cudabuild.engine.hashing import CHUNK
+
+# A region smaller than this is glue, copied into the manifest rather than looked up
+# ($CUDABUILD_SPANS_MIN_REGION, bytes: the tests lower it to see spans in a small model's build).
+MIN_REGION = int(os.environ.get("CUDABUILD_SPANS_MIN_REGION") or 64 << 10)
+# A manifest holding more literal bytes than this is not worth it: the file is stored plainly.
+MAX_LITERAL = 1 << 20
+# Nor is one of more than this share of the file's size (a small model's files: mostly glue).
+MAX_MANIFEST_SHARE = 1 / 8
+
+Part = list  # ["blob", sha, offset, length] | ["zeros", length] | ["bytes", base64]
+# raw sha256 -> (blob sha, offset, length) of a plain blob holding those bytes, or a manifest's parts
+Locate = Callable[[str, int], Optional[Sequence[Part]]]
+
+
+def part_length(part: Part) -> int:
+    kind = part[0]
+    if kind == "blob":
+        return part[3]
+    if kind == "zeros":
+        return part[1]
+    return len(base64.b64decode(part[1]))
+
+
+def referenced(manifest: dict) -> set[str]:
+    """The plain blobs a manifest reads from."""
+    return {part[1] for part in manifest["parts"] if part[0] == "blob"}
+
+
+ZEROS = "zeros"  # the digest region_digests gives a region of zeros only (a buffer at its initial value)
+
+
+def region_digests(path, regions: Iterable[tuple[int, int]]) -> list[tuple[int, int, str]]:
+    """[(offset, length, sha256 of those bytes, or ZEROS for zeros only)] of a file's regions, in
+    offset order, overlapping ones and those past the file's end left out."""
+    out, end_of_last, zeros = [], 0, bytes(CHUNK)
+    with open(path, "rb") as f:
+        size = f.seek(0, io.SEEK_END)
+        for offset, length in sorted(set(regions)):
+            if length <= 0 or offset < end_of_last or offset + length > size:
+                continue
+            f.seek(offset)
+            h, left, all_zero = hashlib.sha256(), length, True
+            while left:
+                chunk = f.read(min(CHUNK, left))
+                h.update(chunk)
+                all_zero = all_zero and chunk == zeros[:len(chunk)]
+                left -= len(chunk)
+            out.append((offset, length, ZEROS if all_zero else h.hexdigest()))
+            end_of_last = offset + length
+    return out
+
+
+def plan(path, size: int, regions: list[tuple[int, int, str]], locate: Locate) -> Optional[list[Part]]:
+    """The manifest's parts for a file of `size` bytes whose `regions` (region_digests) the store
+    may hold already, or None when it should be stored plainly: a region of MIN_REGION or more
+    that `locate` does not find, no region found at all, or more than MAX_LITERAL of glue."""
+    parts: list[Part] = []
+    literal = found = 0
+    at = 0
+    with open(path, "rb") as f:
+
+        def glue(start: int, end: int) -> bool:
+            nonlocal literal
+            f.seek(start)
+            data = f.read(end - start)
+            if not data.strip(b"\0"):
+                parts.append(["zeros", len(data)])
+                return True
+            literal += len(data)
+            parts.append(["bytes", base64.b64encode(data).decode()])
+            return literal <= MAX_LITERAL
+
+        for offset, length, sha in regions:
+            if offset > at and not glue(at, offset):
+                return None
+            if sha == ZEROS:  # a buffer still at its initial zeros (a KV cache)
+                parts.append(["zeros", length])
+                at = offset + length
+                continue
+            where = locate(sha, length) if length >= MIN_REGION else None
+            if where is None:
+                if length >= MIN_REGION:
+                    return None
+                if not glue(offset, offset + length):
+                    return None
+            else:
+                parts.extend(where)
+                found += length
+            at = offset + length
+        if size > at and not glue(at, size):
+            return None
+    return _merged(parts) if found else None
+
+
+def _merged(parts: list[Part]) -> list[Part]:
+    """Adjacent ranges of one blob, and adjacent runs of zeros, as one part each."""
+    out: list[Part] = []
+    for part in parts:
+        last = out[-1] if out else None
+        if last and last[0] == part[0] == "blob" and last[1] == part[1] and last[2] + last[3] == part[2]:
+            out[-1] = ["blob", last[1], last[2], last[3] + part[3]]
+        elif last and last[0] == part[0] == "zeros":
+            out[-1] = ["zeros", last[1] + part[1]]
+        else:
+            out.append(list(part))
+    return out
+
+
+def shifted(parts: Sequence[Part], start: int, length: int) -> list[Part]:
+    """The parts covering bytes [start, start + length) of the manifest `parts` describe."""
+    out, at, end = [], 0, start + length
+    for part in parts:
+        n = part_length(part)
+        lo, hi = max(start, at), min(end, at + n)
+        if lo < hi:
+            if part[0] == "blob":
+                out.append(["blob", part[1], part[2] + lo - at, hi - lo])
+            elif part[0] == "zeros":
+                out.append(["zeros", hi - lo])
+            else:
+                data = base64.b64decode(part[1])[lo - at:hi - at]
+                out.append(["bytes", base64.b64encode(data).decode()])
+        at += n
+        if at >= end:
+            break
+    return out
+
+
+class SpanReader(io.RawIOBase):
+    """A manifest's bytes as a stream; `open_blob(sha)` opens a plain blob's file (a context manager)."""
+
+    def __init__(self, manifest: dict, open_path: Callable[[str], "io.BufferedReader"]):
+        super().__init__()
+        self.manifest, self._open_path = manifest, open_path
+        self._parts = iter(manifest["parts"])
+        self._current: Optional[tuple] = None  # (kind, source, left)
+        self._files: dict[str, io.BufferedReader] = {}
+        self.name = None
+
+    def readable(self) -> bool:
+        return True
+
+    def _next(self) -> bool:
+        part = next(self._parts, None)
+        if part is None:
+            return False
+        if part[0] == "blob":
+            handle = self._files.get(part[1])
+            if handle is None:
+                handle = self._files[part[1]] = self._open_path(part[1])
+            handle.seek(part[2])
+            self._current = ("blob", handle, part[3])
+        elif part[0] == "zeros":
+            self._current = ("zeros", None, part[1])
+        else:
+            self._current = ("bytes", io.BytesIO(base64.b64decode(part[1])), part_length(part))
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._current is None or self._current[2] == 0:
+            if not self._next():
+                return 0
+        kind, source, left = self._current
+        n = min(len(buffer), left, CHUNK)
+        if kind == "zeros":
+            buffer[:n] = bytes(n)
+        else:
+            data = source.read(n)
+            if len(data) != n:
+                raise OSError("a blob a span reads from is shorter than the span")
+            buffer[:n] = data
+        self._current = (kind, source, left - n)
+        return n
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+        super().close()
