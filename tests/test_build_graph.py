@@ -65,7 +65,8 @@ def test_each_distinct_tensor_is_stored_once(built_tiny):
 
     store = Store(built_tiny.cache)
     blob = store.read_bytes(outputs["compile.decode"]["weights.blob"])
-    blobs = sum(1 for k in store.cache.iterkeys() if k.startswith("blob:"))
+    # A blob is kept whole or as ranges of the others (cudabuild.engine.spans): either, once.
+    blobs = sum(1 for k in store.cache.iterkeys() if k.startswith(("blob:", "spans:")))
     store.close()
     distinct = {sha for s in STAGES for sha in outputs[s].values()}
     assert blobs == len(distinct)

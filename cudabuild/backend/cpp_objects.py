@@ -152,15 +152,7 @@ class _Objects:
     @staticmethod
     def _store(built: Path, entry: Path, name: str) -> None:
         """Into the cache as one step: the entry appears whole or not at all."""
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        staging = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        shutil.copyfile(built, staging / name)
-        try:
-            os.rename(staging, entry)
-        except OSError:  # another build stored it first: the same bytes
-            shutil.rmtree(staging, ignore_errors=True)
+        _publish(entry, name, lambda dest: shutil.copyfile(built, dest))
 
     def _fetch(self, key: str, entry: Path, name: str) -> bool:
         if self.tier is None:
@@ -174,14 +166,7 @@ class _Objects:
             arrived = entry.parent / f".fetch-{entry.name}-{os.getpid()}"
             if not self.tier.get_blob_to_file(sha, arrived):  # checked against sha on arrival
                 return False
-            staging = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir()
-            os.replace(arrived, staging / name)
-            try:
-                os.rename(staging, entry)
-            except OSError:
-                shutil.rmtree(staging, ignore_errors=True)
+            _publish(entry, name, lambda dest: os.replace(arrived, dest))
             return True
         except Exception:  # the tier is an accelerator: any trouble there is a miss
             return False
@@ -223,3 +208,18 @@ def cached(store_root: Optional[Path], tier=None) -> Iterator[Counts]:
         yield counts
     finally:
         cpp_builder.CppBuilder.build = original
+
+
+def _publish(entry: Path, name: str, place) -> None:
+    """`place(path)` puts the object at `path` in a staging folder, which is then renamed to
+    `entry`: the entry appears whole or not at all. Where another build published it first (the
+    same bytes), the staged copy goes."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    staging = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    place(staging / name)
+    try:
+        os.rename(staging, entry)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)

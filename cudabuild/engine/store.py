@@ -45,7 +45,7 @@ from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
 from cudabuild.engine import diskcache_rows, spans
 from cudabuild.engine.console import terminal
 from cudabuild.engine.diskcache_rows import Entry
-from cudabuild.engine.files import atomic_copy, temporary_file
+from cudabuild.engine.files import atomic_copy, atomic_write, temporary_file
 from cudabuild.engine.hashing import CHUNK, FileHasher, sha256_file
 from cudabuild.engine.records import well_formed
 
@@ -250,18 +250,18 @@ class Store:
 
     def _write_spans(self, sha: str, dest: Path, for_name: Optional[str] = None) -> None:
         """A blob kept as spans written whole to `dest` (atomically), its bytes checked on the way."""
-        with temporary_file(dest.parent, prefix=f".{dest.name}.") as tmp:
-            with open(tmp, "wb") as out:
-                try:
-                    got = self._hash_blob(sha, out)
-                except (MissingBlob, OSError):
-                    got = None
+        def write(out) -> None:  # atomic_write: the file gets a plain file's mode, and goes on error
+            try:
+                got = self._hash_blob(sha, out)
+            except (MissingBlob, OSError):
+                got = None
             if got != sha:
                 self.drop_blob(sha)
                 if got is None:
                     raise MissingBlob(f"blob {sha[:12]} reads from a blob that is gone from the cache at {self.root}")
                 raise CorruptBlob(sha, for_name)
-            os.replace(tmp, dest)
+
+        atomic_write(dest, write)
 
     def verified_path(self, sha: str, for_name: Optional[str] = None) -> Path:
         """The blob's own file in the store, its bytes checked against `sha`: to read or map, never
