@@ -37,24 +37,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from remote import new_project, start_redis  # noqa: E402  the same throwaway projects and Redis
+from remote import build, new_project, start_redis  # noqa: E402  the same throwaway projects, builds and Redis
 
 
 def run(args: list[str], project: Path, env: dict, keep_warm: bool = False) -> float:
     if not keep_warm:  # this cache's warm process, if any, goes: the build starts without one
         subprocess.run([sys.executable, "-m", "cudabuild", "warm", "stop"], cwd=project, env=env, capture_output=True)
-    start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "doit", "export", *args], cwd=project, env=env,
-                            capture_output=True, text=True)
-    elapsed = time.monotonic() - start
-    if result.returncode != 0:
-        sys.exit(f"bench: {' '.join(args)} in {project} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return elapsed
+    return build(args, project, env)
 
 
 def outputs(project: Path, model: str, target: str) -> dict[str, str]:

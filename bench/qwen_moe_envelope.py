@@ -28,23 +28,25 @@ def summarise(reference: dict, tolerance: float, tokens: list[int]) -> dict:
     from cudabuild.backend import sampled_logits
 
     truth = reference["truth"]
+    envelope, eager = truth["envelope"], truth.get("eager") or {}
+
+    def at(per_step, i):  # a per-step list a truth stored before it existed lacks
+        return per_step[i] if per_step else None
+
     steps = []
     for i, logits in enumerate(truth["truth"]["logits"]):
         row = logits.reshape(-1).float()
         top = row.topk(10)
         entry = {"step": i, "truth_top": [round(float(v), 4) for v in top.values],
-                 "bf16_gap": truth["envelope"]["gaps"][i],
-                 "bf16_deviation": (truth["envelope"].get("deviations") or [None] * (i + 1))[i],
-                 "eager_gap": truth.get("eager", {}).get("gaps", [None] * (i + 1))[i],
-                 "eager_deviation": (truth.get("eager", {}).get("deviations") or [None] * (i + 1))[i],
+                 "bf16_gap": envelope["gaps"][i], "bf16_deviation": at(envelope.get("deviations"), i),
+                 "eager_gap": at(eager.get("gaps"), i), "eager_deviation": at(eager.get("deviations"), i),
                  "allowed": sampled_logits._allowed_gap(truth, i, tolerance)}
         if i < len(tokens):
             entry["token"] = tokens[i]
             entry["token_gap"] = float(row.max() - row[tokens[i]])
             entry["token_ok"] = entry["token_gap"] <= entry["allowed"]
         steps.append(entry)
-    states = {n: {"bf16": d, "eager": truth.get("eager", {}).get("states", {}).get(n)}
-              for n, d in sorted(truth["envelope"]["states"].items())}
+    states = {n: {"bf16": d, "eager": eager.get("states", {}).get(n)} for n, d in sorted(envelope["states"].items())}
     return {"steps": steps, "states": states, "runs": truth.get("runs")}
 
 

@@ -191,7 +191,7 @@ class Store:
 
     @contextlib.contextmanager
     def _open_blob(self, sha: str) -> Iterator[io.BufferedReader]:
-        manifest = None if self._plain(sha) else self._spans(sha)
+        manifest = self.spans_of(sha)
         if manifest is not None:
             reader = spans.SpanReader(manifest, self._open_plain)
             try:
@@ -242,7 +242,7 @@ class Store:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)  # as any atomic write does, whatever the check then finds
         self._ensure_local(sha)
-        if not self._plain(sha) and self._spans(sha) is not None:  # written from its parts: no copy beside the store
+        if self.spans_of(sha) is not None:  # written from its parts: no copy beside the store
             self._write_spans(sha, dest, for_name=dest.name)
             return dest
         atomic_copy(self.verified_path(sha, for_name=dest.name), dest)
@@ -269,7 +269,7 @@ class Store:
         blob of gigabytes is re-hashed once per change of its file, not on every read. `for_name`:
         what the blob is for, in the error when it is corrupt (default: its file here)."""
         self._ensure_local(sha)
-        if not self._plain(sha) and self._spans(sha) is not None:
+        if self.spans_of(sha) is not None:
             path = self.root / "spans" / sha  # materialized once, for readers that map a path
             if not (path.exists() and self.hasher(path) == sha):
                 path.parent.mkdir(exist_ok=True)
@@ -325,7 +325,7 @@ class Store:
         verified_path), a private copy for one kept as spans, deleted after the block (a reader
         that needs a path once: what is written out for it does not stay beside the store)."""
         self._ensure_local(sha)
-        if self._plain(sha) or self._spans(sha) is None:
+        if self.spans_of(sha) is None:
             yield self.verified_path(sha, for_name)
             return
         folder = self.root / "spans"
