@@ -43,6 +43,8 @@ class BuildConfig:
     # Where build/<model>/<target>/ lives: the project's build/, or a cluster worker's own folder
     # (cudabuild.cluster_worker), so that a worker never writes into a driver's build/.
     build_root: Optional[Path] = None
+    # About how many bytes the build's weights take (the recipe's weights_bytes), or None.
+    weights_bytes: Optional[int] = None
 
     @property
     def methods(self) -> list[str]:
@@ -108,6 +110,7 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
     problems.extend(option_problems)
 
     specs: dict = {}
+    weights_bytes = None
     if target is not None:
         specs, spec_problems = merge_method_specs(
             target, description["methods"], description["specs"], description["method_specs"], overrides
@@ -121,11 +124,12 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
         # config.json and tensors): checked beside the problems above (a value with a problem is
         # left at its default), so that every problem is reported in one go.
         try:
-            options = registry.resolve_options(project, description, options, store)
+            options, weights_bytes = registry.resolved_build(project, description, options, store)
         except InvalidConfig as e:
             problems.extend(p for p in e.problems if p not in problems)
         except InvalidOption as e:
             problems.append(str(e))
     if problems:
         raise InvalidConfig(problems)
-    return BuildConfig(project, model, target, options, specs, description, note, autotune, build_root=build_root)
+    return BuildConfig(project, model, target, options, specs, description, note, autotune, build_root=build_root,
+                       weights_bytes=weights_bytes)

@@ -29,7 +29,7 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cache_admin, cluster, executors, history, interrupt, nightly, warm, workers
+from cudabuild.engine import cache_admin, cluster, executors, history, interrupt, nightly, room, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
@@ -291,9 +291,21 @@ def task_export():
         return
     try:
         runner = make_runner(cli_vars())
+        if requested("export"):
+            check_room(runner)
     except CudabuildError as e:
         fail_fast(e)
     yield from export_tasks(runner)
+
+
+def check_room(runner: Runner) -> None:
+    """A first build (no package built yet) whose weights the disk cannot hold is refused now,
+    before its first stage (cudabuild.engine.room)."""
+    config = runner.config
+    if (config.build_dir / ".stamps" / "package.json").exists():
+        return
+    what = f"{config.model}/{config.target} ({', '.join(f'{k}={v}' for k, v in config.shown_options.items())})"
+    room.check(config.weights_bytes, runner.store.root, config.build_dir, what)
 
 
 def open_pool(address: str, resources: str, store: Store) -> cluster.Pool:

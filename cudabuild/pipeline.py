@@ -173,6 +173,32 @@ def _compile_alone(config, method) -> str | None:
     return None
 
 
+# A device stage's peak in a first build, as a multiple of the weights it is handed, measured on
+# the H100 at 35b-a3b (int4): compile with low_memory_mode ON 0.95x (decode) and 1.12x (prefill)
+# at 8 layers, with it OFF about 2.6x at 4 layers; reference 1.21x at 40 layers (23.06 GiB for
+# 20.4 GB); verify holds the compiled weights once and the steps' activations. The blob stage
+# uses the device only where it must compile, which a first build does not.
+_DEVICE_FACTORS = {"compile": 1.3, "reference": 1.3, "verify": 1.3, "blob": 0.0, "probe": 0.0, "quantize": 0.0}
+
+
+# A stage's resident peak in a first build, as a multiple of the weights it is handed, measured on
+# the H100 at 35b-a3b (int4; 5.14 GB of weights at 8 layers, 20.4 GB at 40): export 2.1x and 1.9x
+# (the model built, and its weights mapped), edge 0.35x and 0.18x (it maps them, and touches few),
+# compile 3.7x at 8 (AOTInductor's blob in memory, and the mapped weights it copies from, which
+# two compiles share), reference 1.87x and 1.85x, package 1.09x. Mapped pages count in a process's
+# resident size though the page cache holds them once for every process that maps them.
+_MEMORY_FACTORS = {"export": 2.0, "edge": 0.2, "compile": 2.0, "blob": 1.0, "package": 1.2, "reference": 1.9,
+                   "verify": 2.0}
+
+
+def _device_factor(kind: str):
+    def factor(config, method) -> float:
+        if kind == "compile" and (config.specs.get(method) or {}).get("low_memory_mode") != "ON":
+            return 2.7
+        return _DEVICE_FACTORS[kind]
+    return factor
+
+
 def _accelerator(config, method) -> str | None:
     """Compile (tuning, and the move to the device), verify and, on cuda, the probe use the target's device."""
     return config.target if config.target != "cpu" else None
@@ -181,33 +207,33 @@ def _accelerator(config, method) -> str | None:
 PIPELINE = Pipeline(
     [
         # On cuda the probe asks the device its capability: on a cluster it runs on a GPU worker.
-        StageKind("probe", version=1, per_method=False, module=STAGES + "probe", params=_probe,
+        StageKind("probe", device_factor=_device_factor("probe"), version=1, per_method=False, module=STAGES + "probe", params=_probe,
                   predict_value=toolchain.predict_probe_value, device=_accelerator),
-        StageKind("quantize", version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
+        StageKind("quantize", device_factor=_device_factor("quantize"), version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
                   params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False,
                   values_only=_weights_options),
-        StageKind("export", version=4, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
-                  results={"weights": "quantize"}, params=_export, memory_from_upstream=False,
+        StageKind("export", memory_factor=_MEMORY_FACTORS["export"], version=4, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
+                  results={"weights": "quantize"}, params=_export,
                   values_only=_weights_options),
-        StageKind("edge", version=5, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
+        StageKind("edge", memory_factor=_MEMORY_FACTORS["edge"], version=5, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
                   results={"graph": "export[m]:code"}, params=_edge, explains_graph=True),
-        StageKind("compile", version=2, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
+        StageKind("compile", memory_factor=_MEMORY_FACTORS["compile"], device_factor=_device_factor("compile"), version=3, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
                   results={"graph": "edge[m]"}, params=_compile, explains_graph=True, runs_alone=_compile_alone,
                   device=_accelerator),
         # On cuda it may have to compile (a constant table it cannot trust): it claims the device.
-        StageKind("blob", version=1, per_method=True, module=STAGES + "blob",
+        StageKind("blob", memory_factor=_MEMORY_FACTORS["blob"], device_factor=_device_factor("blob"), version=2, per_method=True, module=STAGES + "blob",
                   consumes=("probe", "export[m]", "edge[m]", "compile[m]"),
                   results={"weights": "export[m]", "code": "edge[m]", "compiled": "compile[m]"}, params=_blob,
                   device=_accelerator),
-        StageKind("package", version=4, per_method=False, module=STAGES + "package",
+        StageKind("package", memory_factor=_MEMORY_FACTORS["package"], version=4, per_method=False, module=STAGES + "package",
                   consumes=("probe", "export[*]", "blob[*]"), results={"graph": "export[*]", "compiled": "blob[*]"},
                   params=_package, final_outputs=True),
         # After compile and package in the table, so that a free worker takes it only once nothing
         # on the way to the package is waiting: it is off that chain.
-        StageKind("reference", version=3, per_method=True, module=STAGES + "reference",
+        StageKind("reference", memory_factor=_MEMORY_FACTORS["reference"], device_factor=_device_factor("reference"), version=4, per_method=True, module=STAGES + "reference",
                   consumes=("probe", "quantize", "export[m]"), results={"graph": "export[m]", "weights": "quantize"},
                   params=_reference, applies=_reference_apart, device=_accelerator),
-        StageKind("verify", version=4, per_method=True, module=STAGES + "verify",
+        StageKind("verify", memory_factor=_MEMORY_FACTORS["verify"], device_factor=_device_factor("verify"), version=4, per_method=True, module=STAGES + "verify",
                   consumes=("probe", "export[m]", "edge[m]", "blob[m]", "package", "reference[m]"),
                   results={"graph": "export[m]", "compiled": "blob[m]", "reference": "reference[m]"}, params=_verify,
                   device=_accelerator),

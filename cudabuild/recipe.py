@@ -145,6 +145,10 @@ class Recipe:
     # Options that change the weights' values and nothing else (a seed): `cudabuild explain`
     # forecasts that changing one keeps the lowered and compiled code (the build checks it anyway).
     weights_options: tuple[str, ...] = ()
+    # `weights_bytes(resolved options)`: about how many bytes its weights take as the build keeps
+    # them (a quantized bundle), from the options alone, before any stage: what the build's disk
+    # need is projected from (cudabuild.engine.room). None: not projected.
+    weights_bytes: Optional[Callable[[Mapping[str, Any]], int]] = None
 
     def for_target(self, target: str) -> "Recipe":
         return self.targets.get(target, self)

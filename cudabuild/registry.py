@@ -23,7 +23,7 @@ from cudabuild.engine.hashing import FileHasher, code_digest, digest
 from cudabuild.models.safetensors_parts import header_digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
-DESCRIPTION_VERSION = 4
+DESCRIPTION_VERSION = 5
 
 
 def recipes_dir(project: Path) -> Path:
@@ -189,13 +189,18 @@ def _quantize_description(project: Path, quantize) -> Optional[dict]:
 
 
 def resolve_options(project: Path, description: dict, options: dict, store) -> dict:
+    """The resolved options (resolved_build's)."""
+    return resolved_build(project, description, options, store)[0]
+
+
+def resolved_build(project: Path, description: dict, options: dict, store) -> tuple[dict, Optional[int]]:
     """The recipe's `resolve(options)`, memoised in the store by the sources, the options and what
     the folders the options name hold (config.json and index files by content, each .safetensors
     file by its header: stat-memoised, so a no-op build reads nothing and a touched shard only its
     header). A no-op build therefore imports no torch. What resolve refused (an InvalidConfig, its
     problems) is memoised too, and raised again."""
     if not description.get("resolves"):
-        return options
+        return options, None
     model = description["model"]
     folders = [o["name"] for o in description.get("option_table", ()) if o.get("folder")]
     memo_key = f"options:{model}:" + digest({
@@ -204,14 +209,18 @@ def resolve_options(project: Path, description: dict, options: dict, store) -> d
     })
     resolved = store.get_json(memo_key)
     if resolved is None:
+        recipe = load_recipe(project, model).for_target(description["target"])
         try:
-            resolved = {"options": dict(load_recipe(project, model).for_target(description["target"]).resolve(dict(options)))}
+            resolved = {"options": dict(recipe.resolve(dict(options)))}
+            if recipe.weights_bytes is not None:
+                resolved["weights_bytes"] = int(recipe.weights_bytes(resolved["options"]))
         except InvalidConfig as e:
             resolved = {"problems": e.problems}
         store.put_json(memo_key, resolved)
     if "problems" in resolved:
         raise InvalidConfig(resolved["problems"])
-    return {name: resolved["options"][name] for name in options}  # in the order given, memo or not
+    # in the order given, memo or not
+    return {name: resolved["options"][name] for name in options}, resolved.get("weights_bytes")
 
 
 def folder_digest(folder, hasher: FileHasher) -> dict:

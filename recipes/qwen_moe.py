@@ -84,6 +84,7 @@ CUDA = Recipe(
     constant_methods=qwen35_moe.metadata,
     strict_export=True,
     weights_options=("seed",),
+    weights_bytes=qwen35_moe.weights_bytes,
     lowering=Lowering(skip_dim_order=True, do_quant_fusion_and_const_prop=True, alloc_graph_input=False,
                       emit_mutable_buffer_names=True),
 )

@@ -24,7 +24,7 @@ def edge_program_and_compile(project, tmp_path, method: str = "decode"):
     try:
         edge_outputs = stamp(project, f"edge.{method}")["outputs"]
         edge = load_program(lambda name: store.read_bytes(edge_outputs[name]))
-        compiled = stamp(project, f"compile.{method}")["outputs"]
+        compiled = stamp(project, f"blob.{method}")["outputs"]  # the .so, and the blob the build keeps
         so = store.fetch(compiled["model.so"], tmp_path / "model.so")
         blob = store.fetch(compiled["weights.blob"], tmp_path / "weights.blob")
     finally:

@@ -4,12 +4,12 @@ stages ran in two workers is the build one worker makes (the run's shared tiny b
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,18 +48,19 @@ def test_a_bad_jobs_setting_stops_the_build_in_one_line_before_anything_runs(pro
     assert not (project.root / "build").exists()
 
 
-def test_stages_run_beside_others_only_when_that_many_of_them_fit_in_memory():
-    fits = workers.admission(2, 1 * GiB, None, 20 * GiB)
-    assert not fits.alone and "fits 2 times" in fits.why
-    # A 3.7 GB checkpoint's stage (1.5 x 3.7 + 1 GiB), twice, is more than half of 20 GiB: alone.
-    assert workers.admission(2, int(6.6 * GiB), None, 20 * GiB).alone
-    assert workers.admission(4, 3 * GiB, None, 20 * GiB).alone
-    assert not workers.admission(2, 4 * GiB, None, 20 * GiB).alone
-    unknown = workers.admission(2, None, None, 20 * GiB)
+def test_a_stage_reserves_its_estimate_and_runs_alone_only_when_nothing_sizes_it_or_it_is_past_the_budget():
+    fits = workers.admission(2, 1 * GiB, None, 14 * GiB)
+    assert not fits.alone and fits.need == 1 * GiB and "of the 14.0 GiB" in fits.why
+    # Two 6.6 GiB stages fit a 14 GiB budget together; the ledger, not a rule of thumb, says when.
+    assert workers.admission(4, int(6.6 * GiB), None, 14 * GiB).need == int(6.6 * GiB)
+    big = workers.admission(2, 20 * GiB, None, 14 * GiB)
+    assert big.alone and big.need is None and "more than the 14.0 GiB" in big.why
+    unknown = workers.admission(2, None, None, 14 * GiB)
     assert unknown.alone and "not known" in unknown.why
-    assert workers.admission(2, 1 * GiB, "it uses the GPU", 20 * GiB).alone
+    assert workers.admission(2, 1 * GiB, "it uses the GPU", 14 * GiB).alone
     assert workers.admission(2, 1 * GiB, None, None).alone
     assert not workers.admission(1, None, "it uses the GPU", None).alone  # one worker: nothing beside it
+    assert workers.memory_budget() > 0  # this machine's /proc/meminfo
 
 
 def test_cpu_compiles_that_tune_run_alone_and_device_stages_take_the_device_lock():
@@ -76,41 +77,58 @@ def test_cpu_compiles_that_tune_run_alone_and_device_stages_take_the_device_lock
     assert compile_row.device(config("cuda"), "decode") == verify_row.device(config("cuda"), "decode") == "cuda"
     assert compile_row.device(config("cpu"), "decode") is None and verify_row.device(config("cpu"), "decode") is None
     assert PIPELINE.rows["edge"].device is None and PIPELINE.rows["export"].device is None
-    assert PIPELINE.rows["edge"].runs_alone is None and not PIPELINE.rows["export"].memory_from_upstream
+    assert PIPELINE.rows["edge"].runs_alone is None and PIPELINE.rows["export"].memory_from_upstream
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import sys
     from pathlib import Path
-    from cudabuild.engine import workers
-    with workers.admitted(Path(sys.argv[1]), alone=sys.argv[2] == "alone"):
-        print("held", flush=True)
+    from cudabuild.engine import ledger
+    need = None if sys.argv[2] == "all" else int(sys.argv[2])
+    with ledger.reserved(Path(sys.argv[1]), need, 10, "holder") as waited:
+        print("in", flush=True)
         sys.stdin.readline()
 """)
 
 
-def _try(lock, mode) -> bool:
-    with open(lock, "a+") as handle:
-        try:
-            fcntl.flock(handle, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return True
+def _holder(path, need: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", HOLDER, str(path), need], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("alone", [True, False])
-def test_the_admission_lock_lets_shared_stages_in_together_and_an_alone_stage_in_by_itself(tmp_path, alone):
-    lock = tmp_path / "locks" / "stages"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), "alone" if alone else "beside"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def test_the_ledger_lets_stages_in_while_their_needs_fit_together_and_frees_a_dead_ones(tmp_path):
+    from cudabuild.engine import ledger
+
+    path = tmp_path / "locks" / "ledger-memory.json"
+    first = _holder(path, "6")
     try:
-        assert holder.stdout.readline().strip() == "held"
-        assert _try(lock, fcntl.LOCK_SH) is (not alone)  # another stage beside it: only if it is not alone
-        assert _try(lock, fcntl.LOCK_EX) is False  # a stage that must be alone waits either way
+        assert first.stdout.readline().strip() == "in"
+        assert ledger.held(path) == 6
+        # 6 + 4 fit a budget of 10: the second is in beside the first at once ...
+        second = _holder(path, "4")
+        assert second.stdout.readline().strip() == "in"
+        assert ledger.held(path) == 10
+        # ... and a third, of 1, is not: it waits until one of them is out.
+        third = _holder(path, "1")
+        time.sleep(1.0)
+        assert ledger.held(path) == 10
+        second.communicate("\n", timeout=60)
+        assert third.stdout.readline().strip() == "in"
+        assert ledger.held(path) == 7
+        # A holder that dies without letting go holds nothing once it is gone.
+        third.kill()
+        third.wait()
+        assert ledger.held(path) == 6
+        # One that asks for all of it (alone) waits for every other to leave.
+        alone = _holder(path, "all")
+        time.sleep(1.0)
+        assert ledger.held(path) == 6
     finally:
-        holder.communicate("\n", timeout=600)
-    assert _try(lock, fcntl.LOCK_EX)
+        first.communicate("\n", timeout=60)
+    assert alone.stdout.readline().strip() == "in"
+    assert ledger.held(path) == 10
+    alone.communicate("\n", timeout=60)
+    assert ledger.held(path) == 0
 
 
 def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_peak(tiny_copy):
@@ -123,18 +141,18 @@ def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_p
     config = load_config(tiny_copy.root, {"model": "tiny_lm", "target": "cpu"}, store)
     runner = Runner(config, store, "test", workers=2)
     edge = Stage("edge", "decode")
-    upstream = [sha for s in (Stage("probe"), Stage("export", "decode")) for sha in runner.read_stamp(s).outputs.values()]
-    export_bytes = store.blob_bytes(upstream)
+    # The weights it is handed: the largest upstream stage's outputs (export's, not the probe's).
+    export_bytes = store.logical_bytes(runner.read_stamp(Stage("export", "decode")).outputs.values())
+    assert admission.weights_bytes(runner, edge) == export_bytes
     last_peak = runner.read_stamp(edge).peak_rss
     assert export_bytes > 0 and last_peak > 0
     assert admission.memory_estimate(runner, edge, runner.inputs(edge)) == max(
-        int(export_bytes * workers.INPUT_FACTOR) + workers.PROCESS_BYTES, int(last_peak * workers.HISTORY_MARGIN))
-    # Export's memory is its model's, not its upstream's: without a last run nothing sizes it ...
-    export = Stage("export", "prefill")
-    for method in config.methods:
-        (tiny_copy.build_dir / ".stamps" / f"export.{method}.json").unlink()
-    store.cache.clear()  # ... the build log included
-    assert admission.memory_estimate(runner, export, runner.inputs(export)) is None
+        int(export_bytes * PIPELINE.rows["edge"].memory_factor) + workers.PROCESS_BYTES, int(last_peak * workers.HISTORY_MARGIN))
+    # With neither a last run nor upstream bytes (the build log gone, no stamps), nothing sizes it.
+    for stamp in (tiny_copy.build_dir / ".stamps").glob("*.json"):
+        stamp.unlink()
+    store.cache.clear()
+    assert admission.memory_estimate(runner, edge, runner.inputs(edge)) is None
 
 
 def test_a_build_run_by_two_workers_is_the_build_one_worker_makes(tiny_copy, tmp_path):
@@ -184,47 +202,49 @@ LOADED_CONFIG = textwrap.dedent("""
 """)
 
 
-def test_stages_share_the_device_once_their_measured_peaks_fit_in_its_free_memory():
+def test_device_stages_reserve_their_measured_peak_or_a_first_builds_estimate_of_the_device_budget():
     # A stage with neither a measured peak nor inputs to size it by: one device stage at a time.
-    first = workers.device_admission(2, None, 80 * GiB)
+    first = workers.device_admission(2, None, 68 * GiB)
     assert first.alone and "not known" in first.why
-    # A first build's stage is sized from its inputs: 3x their bytes and 2 GiB. tiny_lm's few MiB
-    # share an H200; 6 GiB of weights (two stages of 20 GiB) do not fit in 24 GiB free.
-    assert not workers.device_admission(2, None, 130 * GiB, from_inputs=4 << 20).alone
-    big = workers.device_admission(2, None, 24 * GiB, from_inputs=6 * GiB)
-    assert big.alone and "20.0 GiB" in big.why
-    # A measured peak wins over the estimate, both ways.
-    assert not workers.device_admission(2, 3 * GiB, 24 * GiB, from_inputs=6 * GiB).alone
-    assert workers.device_admission(2, 30 * GiB, 80 * GiB, from_inputs=4 << 20).alone
-    # Measured at 3 GiB: with the margin and a CUDA context, two fit in 80 GiB, not in 8.
-    assert not workers.device_admission(2, 3 * GiB, 80 * GiB).alone
-    tight = workers.device_admission(2, 3 * GiB, 8 * GiB)
-    assert tight.alone and "would not fit" in tight.why
+    # A first build's stage: its inputs' weights times its row's factor, and 2 GiB. 20.4 GB of a
+    # 35B MoE's int4 weights at 1.3x: about 26.7 GiB, of which two fit 0.85 of an 80 GB card.
+    weights = 20_382_819_592
+    compile_ = workers.device_admission(3, None, int(0.85 * 80 * GiB), from_inputs=weights, input_factor=1.3)
+    assert not compile_.alone and compile_.need == int(weights * 1.3) + workers.DEVICE_FIRST_RUN_BYTES
+    assert "estimated from its inputs" in compile_.why
+    # A measured peak wins over the estimate, both ways; past the budget, alone.
+    assert workers.device_admission(2, 3 * GiB, 24 * GiB, from_inputs=6 * GiB, input_factor=3.0).need == \
+        int(3 * GiB * workers.HISTORY_MARGIN) + workers.DEVICE_PROCESS_BYTES
+    assert workers.device_admission(2, 30 * GiB, 20 * GiB, from_inputs=4 << 20, input_factor=1.3).alone
     assert workers.device_admission(2, 3 * GiB, None).alone  # no nvidia-smi: nothing is assumed
     assert not workers.device_admission(1, None, None).alone  # one worker: nothing beside it
-    assert workers.free_device_memory("cpu") is None
+    assert workers.device_budget("cpu") is None
     if shutil.which("nvidia-smi") is None:
-        assert workers.free_device_memory("cuda") is None
-    # The runner's device lock and a compile's timing lock are two files of one cache's locks.
-    locks = workers.device_lock(Path("/c/locks"), "cuda")
-    assert locks.name == "device-cuda" and workers.timing_lock(locks.parent, "cuda").name == "device-cuda.timing"
+        assert workers.device_budget("cuda") is None
+    # The pipeline's factors: low_memory_mode decides a compile's.
+    compile_row = PIPELINE.rows["compile"]
+    on = SimpleNamespace(target="cuda", specs={"decode": {"low_memory_mode": "ON"}})
+    off = SimpleNamespace(target="cuda", specs={"decode": {"low_memory_mode": "OFF"}})
+    assert compile_row.device_factor(on, "decode") < compile_row.device_factor(off, "decode")
+    ledger = workers.device_ledger(Path("/c/locks"), "cuda")
+    assert ledger.name == "ledger-device-cuda.json" and workers.timing_lock(ledger.parent, "cuda").name == "device-cuda.timing"
 
 
 def test_a_device_memory_cap_makes_a_big_card_decide_as_a_small_one_would(tmp_path, monkeypatch):
-    """$CUDABUILD_DEVICE_MEMORY: free device memory counts as the cap less what is in use, so two
+    """$CUDABUILD_DEVICE_MEMORY: the device's budget is of the cap, not of the card, so two
     compiles of ~12 GiB that share an 80 GB card run one at a time as on a 24 GB one (a stand-in
-    nvidia-smi reports 70 GiB free and 10 GiB used)."""
+    nvidia-smi reports an 80 GiB card)."""
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho '71680, 10240'\n")
+    fake.write_text("#!/bin/sh\necho '81920'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
-    environ = {}
-    assert workers.free_device_memory("cuda", environ) == 70 * 2**30
-    capped = {"CUDABUILD_DEVICE_MEMORY": "24GiB"}
-    assert workers.free_device_memory("cuda", capped) == 14 * 2**30
+    assert workers.device_budget("cuda", {}) == int(80 * 2**30 * workers.DEVICE_USABLE_FRACTION)
+    capped = workers.device_budget("cuda", {"CUDABUILD_DEVICE_MEMORY": "24GiB"})
+    assert capped == int(24 * 2**30 * workers.DEVICE_USABLE_FRACTION)
     peak = 12 * 2**30
-    assert not workers.device_admission(2, peak, workers.free_device_memory("cuda", environ)).alone
-    assert workers.device_admission(2, peak, workers.free_device_memory("cuda", capped)).alone
+    need = workers.device_admission(2, peak, capped).need
+    assert need is not None and 2 * need > capped  # one at a time under the cap
+    assert 2 * workers.device_admission(2, peak, workers.device_budget("cuda", {})).need <= workers.device_budget("cuda", {})
     with pytest.raises(InvalidOption, match="CUDABUILD_DEVICE_MEMORY '24 gigs' is not a size"):
         workers.device_memory_cap({"CUDABUILD_DEVICE_MEMORY": "24 gigs"})

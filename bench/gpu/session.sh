@@ -49,7 +49,7 @@ for case in "$@"; do
     qwenweights) timeout "$left" python3 bench/new_weights.py --target cuda --models qwen_moe --no-shared --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
     truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
-    real)     CUDABUILD_DEVICE_MEMORY=${CAP:-24GiB} python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
+    real)     CUDABUILD_DEVICE_MEMORY=${CAP-24GiB} python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
     side)     python3 bench/qwen_moe_side_by_side.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
     envelope) python3 bench/qwen_moe_envelope.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ${TOKENS:+--tokens "$TOKENS"} ;;
     realtest) timeout "$left" python3 -m pytest -q tests/gpu -k real_shapes -x ;;

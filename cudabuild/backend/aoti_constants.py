@@ -11,9 +11,11 @@ So a blob is a function of the table (names, FQNs, sizes, order, layout) and the
   program FQN, dtype, shape, strides and storage offset, as JSON (a compile's `constants.json`);
 - `blob_problem(blob, table, tensors)` says where a blob is not exactly the table applied to a
   program's tensors (None: byte for byte, padding included): the compile stage asks it of
-  AOTInductor's own blob, which is what makes a table *rewritable*;
-- `write_blob(path, table, tensors)` writes the blob for other weights of the same code
-  (cudabuild.backend.stages.blob), and `fit_problem` says first why a table cannot take them;
+  AOTInductor's own blob, which is what makes a table *rewritable*; that blob is held in memory
+  as inductor hands it to be written (`held_blob`) and never reaches the disk;
+- `write_blob(path, table, tensors)` writes the blob the build keeps (cudabuild.backend.stages.blob),
+  hashing it as it goes and leaving holes where the store holds a constant's bytes already, and
+  `fit_problem` says first why a table cannot take the tensors;
 - `constants_table(so)` reads the table from the .so itself (its C API), which the blob stage
   compares with the JSON it was handed (`so_table_problem`).
 
@@ -32,10 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
+
+from cudabuild.engine import spans
 
 CPU_ALIGNMENT = 64  # torch._inductor.utils.ALIGN_BYTES: where each constant starts in a CPU blob
 _CHUNK = 1 << 24
@@ -186,6 +192,72 @@ def captured_table() -> Iterator[dict]:
         codecache.AotCodeCompiler.compile = original
 
 
+class HeldBlob:
+    """AOTInductor's weights blob as it handed it to be written, kept in memory instead (`data`,
+    its own buffer: no copy), or None before it is written."""
+
+    def __init__(self):
+        self.data = None
+        self.path: Optional[str] = None
+
+
+class _Held:
+    """What `open(<weights blob>, "wb")` gives inside `held_blob`: a file whose write keeps a
+    reference to the buffer and writes nothing."""
+
+    def __init__(self, holder: HeldBlob, path: str):
+        self.holder, self.holder.path = holder, path
+
+    def write(self, data) -> int:
+        self.holder.data = data
+        return len(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def held_blob(hold: bool = True) -> Iterator[HeldBlob]:
+    """Within the block, the weights blob AOTInductor writes beside the .so it compiles
+    (`<hash>_weights.blob`) is kept in memory, in the yielded HeldBlob, and never reaches the disk.
+
+    Why: AOTInductor builds that blob in memory from the program's weights and writes it whole:
+    at 40 layers of a 35B MoE, 20 GB a method, two methods at once. The blob stage writes the one
+    the build keeps, by the constant table (write_blob), so the compile's own is needed only to
+    prove that table (blob_problem), which the buffer in memory does as well. codecache opens
+    that file with the builtin `open`: a module global of that name, for the block, answers for it.
+    With `hold` False (a compile whose own blob is the one kept), nothing changes."""
+    from torch._inductor import codecache
+
+    holder = HeldBlob()
+    if not hold:
+        yield holder
+        return
+    import builtins
+
+    def opener(file, mode="r", *args, **kwargs):
+        if "w" in mode and str(file).endswith("_weights.blob"):
+            return _Held(holder, str(file))
+        return builtins.open(file, mode, *args, **kwargs)
+
+    had = "open" in codecache.__dict__
+    saved = codecache.__dict__.get("open")
+    codecache.open = opener
+    try:
+        yield holder
+    finally:
+        if had:
+            codecache.open = saved
+        else:
+            del codecache.open
+
+
 def table_problem(table) -> Optional[str]:
     """Why `table` (a compile's constants.json, parsed) is not a table this module wrote, in
     words; None when it is well formed and its offsets follow its layout."""
@@ -237,18 +309,39 @@ def _storage_bytes(t, start: int, n: int) -> bytes:
     return ctypes.string_at(storage.data_ptr() + start, n)
 
 
-def write_blob(path: Path, table: dict, tensors: Mapping[str, object]) -> None:
+def write_blob(path: Path, table: dict, tensors: Mapping[str, object],
+               stored: Optional[Callable[[str, int], bool]] = None) -> tuple[str, list[tuple[int, int, str]]]:
     """The weights blob for `tensors` (by FQN) under `table` (check `fit_problem` first): each
-    constant's storage at its offset, zeros between, one chunk in memory at a time."""
+    constant's storage at its offset, zeros between, one chunk in memory at a time. Returns its
+    sha256 and each constant's (offset, length, sha256 of its bytes): the file is hashed as it
+    is written, never read back.
+
+    With `stored(sha, length)` (StageContext.holds: the store has these bytes already), a constant
+    it says yes to is left out as a hole, so the file takes on the disk only what the store does
+    not hold yet; the store then keeps it as ranges of the blobs that do (Store.put_file with
+    digested regions). A constant's bytes are read twice then: once to hash them, once (only when
+    not stored) to write them."""
+    whole, regions, at = hashlib.sha256(), [], 0
     with open(path, "wb") as f:
         for row in table["constants"]:
+            whole.update(bytes(row["offset"] - at))
+            t, nbytes = tensors[row["fqn"]], row["nbytes"]
+            region = spans.RegionHasher()
+            for done in range(0, nbytes, _CHUNK):
+                chunk = _storage_bytes(t, done, min(_CHUNK, nbytes - done))
+                region.update(chunk)
+                whole.update(chunk)
+            sha = region.digest()
+            regions.append((row["offset"], nbytes, sha))
+            at = row["offset"] + nbytes
+            if nbytes and (sha == spans.ZEROS or (stored is not None and stored(sha, nbytes))):
+                continue  # a hole: zeros, or bytes the store holds
             f.seek(row["offset"])
-            t, done = tensors[row["fqn"]], 0
-            while done < row["nbytes"]:
-                n = min(_CHUNK, row["nbytes"] - done)
-                f.write(_storage_bytes(t, done, n))
-                done += n
+            for done in range(0, nbytes, _CHUNK):
+                f.write(_storage_bytes(t, done, min(_CHUNK, nbytes - done)))
+        whole.update(bytes(table["size"] - at))
         f.truncate(table["size"])
+    return whole.hexdigest(), regions
 
 
 def table_regions(table: Optional[dict]) -> list[tuple[int, int]]:
@@ -271,17 +364,17 @@ def unread_problem(table: dict, tensors: Mapping[str, object]) -> Optional[str]:
     return None
 
 
-def blob_problem(blob: Path, table: dict, tensors: Mapping[str, object]) -> Optional[str]:
-    """None when `blob` is, byte for byte, what write_blob writes for `tensors` under `table`
-    (padding included), and every program tensor whose values the code digest leaves out is a
-    constant of it; else the first difference, in words."""
+def blob_problem(blob, table: dict, tensors: Mapping[str, object]) -> Optional[str]:
+    """None when `blob` (a file, or AOTInductor's buffer: held_blob) is, byte for byte, what
+    write_blob writes for `tensors` under `table` (padding included), and every program tensor
+    whose values the code digest leaves out is a constant of it; else the first difference, in words."""
     problem = table_problem(table) or fit_problem(table, tensors) or unread_problem(table, tensors)
     if problem:
         return problem
-    size = blob.stat().st_size
+    size = len(memoryview(blob)) if not isinstance(blob, (str, Path)) else Path(blob).stat().st_size
     if size != table["size"]:
         return f"the weights blob is {size} bytes; the constant table says {table['size']}"
-    with open(blob, "rb") as f:
+    with (open(blob, "rb") if isinstance(blob, (str, Path)) else io.BufferedReader(_BufferView(blob))) as f:
         at = 0
         for row in table["constants"]:
             gap = f.read(row["offset"] - at)
@@ -297,6 +390,23 @@ def blob_problem(blob: Path, table: dict, tensors: Mapping[str, object]) -> Opti
         if f.read().strip(b"\0"):
             return "the weights blob holds other bytes than zeros after its last constant"
     return None
+
+
+class _BufferView(io.RawIOBase):
+    """A buffer read as a file, without a copy of it (io.BytesIO would copy gigabytes)."""
+
+    def __init__(self, data):
+        super().__init__()
+        self.view, self.at = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), len(self.view) - self.at)
+        buffer[:n] = self.view[self.at:self.at + n]
+        self.at += n
+        return n
 
 
 def so_table_problem(table: dict, so_table: list[Constant]) -> Optional[str]:

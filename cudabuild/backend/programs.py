@@ -124,9 +124,13 @@ class SavedProgram:
         return {fqn: self.shas[name] for fqn, name in self.index.items()}
 
 
-def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> SavedProgram:
+def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None,
+                 keep: Optional[Callable[[Path, str, list], str]] = None) -> SavedProgram:
     """Write the program's parts into `folder`, one weight at a time, straight to its file (a
-    program of tens of GB is never held twice); a weight `reuse` knows is named, not written."""
+    program of tens of GB is never held twice); a weight `reuse` knows is named, not written.
+    With `keep(path, sha, regions)` (a stage's StageContext.keep), each weight file is stored as
+    soon as it is written and gone from `folder`, so a program's weights never lie in the folder
+    all at once (at 40 layers of a 35B MoE, 20 GB a method); it is then among `reused`."""
     from executorch.exir.serde.serialize import serialize
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -137,10 +141,14 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None) -> Sav
         if known is not None:
             shas[name] = reused[name] = known
             continue
-        files[name] = folder / name
-        torch.save(tensor, files[name])
-        shas[name] = sha256_file(files[name])
-        regions[name] = archive_regions(files[name])
+        path = folder / name
+        torch.save(tensor, path)
+        shas[name] = sha256_file(path)
+        if keep is not None:
+            reused[name] = keep(path, shas[name], archive_regions(path))
+        else:
+            files[name] = path
+            regions[name] = archive_regions(path)
         if reuse is not None:
             reuse.add(tensor, shas[name])
     # serialize() would copy every weight into its own bytes; it only needs the graph, so it gets a

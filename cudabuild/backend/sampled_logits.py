@@ -69,12 +69,45 @@ class _Capturing(torch.fx.Interpreter):
 
 
 def program_buffers(ep) -> list[str]:
-    """Every buffer the program takes (an exported program keeps its state updates as in-place
-    ops, so which of them a method mutates shows only after functionalization; comparing them
-    all costs little, and the ones left alone compare equal)."""
+    """The buffers the program writes: its state (KV caches, conv and recurrent states), what
+    verify compares after the last step. Not the others: in ExecuTorch's CUDA Qwen3.5-MoE the int4
+    experts' weights and scales are buffers too, 17 GB at 40 layers, which a reference would store
+    and compare with themselves.
+
+    An exported program (torch.export's training IR) keeps its state updates as in-place ops, so
+    its signature's `buffers_to_mutate` is empty until it is functionalized: a buffer is written
+    where an op's schema says it writes an argument (`Tensor(a!)`) that is, or is a view of, the
+    buffer's placeholder."""
     from torch.export.graph_signature import InputKind
 
-    return sorted({s.target for s in ep.graph_signature.input_specs if s.kind == InputKind.BUFFER and s.target})
+    sig = ep.graph_signature
+    if sig.buffers_to_mutate:
+        return sorted(set(sig.buffers_to_mutate.values()))
+    buffers = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.BUFFER and s.target}
+    written: set[str] = set()
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for arg in value if isinstance(value, (list, tuple)) else [value]:
+                root = _viewed(arg)
+                if root is not None and root.name in buffers:
+                    written.add(buffers[root.name])
+    return sorted(written)
+
+
+def _viewed(node):
+    """The node a chain of views starts from (a view's schema aliases its result to its first argument)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
+            break
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
 
 
 def eager_steps(ep, steps: list, device: str, temperature_input: int) -> tuple[list, dict]:

@@ -1,11 +1,13 @@
-"""What a stage that runs asks for, and its turn: its memory estimate, its device, the admission
-locks of this machine, and what it asks of a cluster's worker.
+"""What a stage that runs asks for, and its turn: its memory estimate, its device, its
+reservations of this machine's budgets, and what it asks of a cluster's worker.
 
-The estimate is the larger of its inputs' bytes (upstream outputs where its pipeline row says
-memory_from_upstream, and the checkpoint when the stage is keyed on it) scaled by
-workers.INPUT_FACTOR, and the peak its last run measured (its stamp's, a sibling method's, or the
-newest logged build's) with workers.HISTORY_MARGIN. The rule that turns estimates into "beside
-the others" or "alone", and the locks, are cudabuild.engine.workers'.
+The estimate is the larger of its inputs' bytes (the largest upstream stage's outputs, the
+weights it is handed, where its pipeline row says memory_from_upstream, and the checkpoint when
+the stage is keyed on it) scaled by workers.INPUT_FACTOR, and the peak its last run measured (its
+stamp's, a sibling method's, or the newest logged build's) with workers.HISTORY_MARGIN. On a
+device: its last measured peak, else its inputs' weights times its row's `device_factor`. The
+budgets and the rule that admits by the sum of what is in flight are cudabuild.engine.workers'
+and cudabuild.engine.ledger's.
 
 Owns reading those numbers off a runner's stamps, store and build log. Must not touch: whether a
 stage runs (runner.py decides), or how (executors.py).
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from cudabuild.engine import cluster, history, workers
+from cudabuild.engine import cluster, history, ledger, workers
 from cudabuild.engine.console import trace
 from cudabuild.engine.graph import Stage
 
@@ -30,9 +32,10 @@ WAITS = {"memory": "wait: memory admission", "device": "wait: device lock", "key
 
 @contextlib.contextmanager
 def admitted(runner, stage: Stage, inputs: dict) -> Iterator[None]:
-    """Run beside the build's other stages when they fit in memory together, else alone; and
-    with the stage's device to itself (cudabuild.engine.workers). The memory lock is always
-    taken first, so no two stages can wait on each other. One stage at a time takes none."""
+    """Reserve the stage's memory from this machine's budget, and with a device its device
+    memory from that device's (cudabuild.engine.ledger): in beside the build's other stages when
+    the reservations in flight leave room for it, else once they do. The memory is always
+    reserved first, so no two stages can wait on each other. One stage at a time reserves none."""
     if runner.workers <= 1:
         yield
         return
@@ -41,20 +44,25 @@ def admitted(runner, stage: Stage, inputs: dict) -> Iterator[None]:
     alone_because = row.runs_alone(config, stage.method) if row.runs_alone else None
     device = row.device(config, stage.method) if row.device else None
     estimate = memory_estimate(runner, stage, inputs) if not alone_because else None
-    admission = workers.admission(runner.workers, estimate, alone_because, workers.available_memory())
+    admission = workers.admission(runner.workers, estimate, alone_because, workers.memory_budget())
     locks = runner.store.root / "locks"
-    on_device = workers.device_admission(runner.workers, last_device_peak(runner, stage),
-                                         workers.free_device_memory(device),
-                                         from_inputs=upstream_bytes(runner, stage)) if device else None
+    on_device = device_budget = None
+    if device:
+        device_budget = workers.device_budget(device)
+        factor = row.device_factor(config, stage.method) if row.device_factor else 1.0
+        on_device = workers.device_admission(runner.workers, last_device_peak(runner, stage), device_budget,
+                                             from_inputs=weights_bytes(runner, stage), input_factor=factor)
     with trace.phase("admitted", alone=admission.alone, why=admission.why, device=device or "",
                      device_alone=bool(on_device and on_device.alone),
                      device_why=on_device.why if on_device else ""), \
             contextlib.ExitStack() as held:
         with trace.wait(WAITS["memory"], alone=admission.alone):
-            waited = held.enter_context(workers.admitted(locks / "stages", admission.alone))
+            waited = held.enter_context(ledger.reserved(workers.memory_ledger(locks), admission.need,
+                                                        workers.memory_budget() or 0, stage.id))
         if device:
             with trace.wait(WAITS["device"], device=device, alone=on_device.alone):
-                waited += held.enter_context(workers.admitted(workers.device_lock(locks, device), on_device.alone))
+                waited += held.enter_context(ledger.reserved(workers.device_ledger(locks, device), on_device.need,
+                                                             device_budget or 0, stage.id))
         if waited >= 1.0:
             runner.log(f"{stage.id}: waited {waited:.0f}s for its turn "
                        f"({admission.why}{f'; on {device}: {on_device.why}' if device else ''})")
@@ -64,10 +72,11 @@ def admitted(runner, stage: Stage, inputs: dict) -> Iterator[None]:
 def memory_estimate(runner, stage: Stage, inputs: dict) -> Optional[int]:
     """What the stage will hold at its peak, in bytes, or None when nothing says (see the module)."""
     config = runner.config
-    read = upstream_bytes(runner, stage) if runner.pipeline.row(stage).memory_from_upstream else 0
+    read = weights_bytes(runner, stage) if runner.pipeline.row(stage).memory_from_upstream else 0
     if inputs.get("checkpoint") and config.checkpoint:
         read += sum(f.stat().st_size for f in config.checkpoint.rglob("*") if f.is_file())
-    from_inputs = int(read * workers.INPUT_FACTOR) + workers.PROCESS_BYTES if read else None
+    factor = runner.pipeline.row(stage).memory_factor or workers.INPUT_FACTOR
+    from_inputs = int(read * factor) + workers.PROCESS_BYTES if read else None
     last = last_peak(runner, stage)
     from_history = int(last * workers.HISTORY_MARGIN) if last else None
     known = [b for b in (from_inputs, from_history) if b is not None]
@@ -81,14 +90,17 @@ def resources(runner, stage: Stage, inputs: dict) -> dict[str, float]:
     return cluster.resources_for(device, memory_estimate(runner, stage, inputs))
 
 
-def upstream_bytes(runner, stage: Stage) -> int:
-    """The bytes of what the stages it depends on handed it (the program and its weights)."""
-    shas = set()
+def weights_bytes(runner, stage: Stage) -> int:
+    """The bytes of the largest of the stages it depends on, as they read (a blob the store keeps
+    as ranges of others counts its whole size): the weights it is handed, once. Each upstream stage
+    of a model's method hands on all its weights (the bundle, the exported program, the compiled
+    blob), so their sum would count them several times over."""
+    largest = 0
     for upstream in runner.pipeline.dependencies(stage, runner.config):
         stamp = runner.read_stamp(upstream)
         if stamp is not None:
-            shas.update(stamp.outputs.values())
-    return runner.store.blob_bytes(shas)
+            largest = max(largest, runner.store.logical_bytes(set(stamp.outputs.values())))
+    return largest
 
 
 def last_peak(runner, stage: Stage) -> Optional[int]:

@@ -90,3 +90,15 @@ class StageContext:
 
     def fetch(self, kind: str, method: Optional[str], name: str, dest: Path) -> Path:
         return self.runner.fetch_output(Stage(kind, method), name, dest)
+
+    def keep(self, path: Path, sha: Optional[str] = None, regions: Optional[list] = None) -> str:
+        """Store a file this stage wrote, now, before the stage returns: moved into the cache (or
+        kept as ranges of blobs stored already) and gone from the work folder. Its sha256, to name
+        in StageResult.stored. For a stage whose outputs together are many GB (a program's weight
+        files): they are then never all on the disk beside the cache at once."""
+        return self.runner.keep_file(path, sha, regions)
+
+    def holds(self, sha: str, length: int) -> bool:
+        """Whether the store holds these bytes already (their sha256 and length), so that a file
+        this stage writes may leave them out as a hole (Store.put_file's digested regions)."""
+        return self.runner.store.holds(sha, length)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from cudabuild.engine import admission, memory
+from cudabuild.engine import admission, memory, room
 from cudabuild.engine.admission import WAITS
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
@@ -62,7 +62,10 @@ def key_lock(store, key: str):
 def run_here(runner, stage: Stage, key: str, inputs: dict, why: Optional[str]) -> None:
     """The stage function in this process, in a fresh work directory, once admitted; then the
     runner stores its outputs, record and stamp. The caller holds the key's lock."""
-    with tempfile.TemporaryDirectory(prefix=f"cudabuild-{stage.id}-") as tmp:
+    # Beside the cache, on its filesystem: what the stage writes is moved into the cache, not copied.
+    work = runner.store.root / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{stage.id}-", dir=work) as tmp:
         ctx = StageContext(runner.config, stage, inputs, key, Path(tmp), runner, runner.log)
         with runner.output_of(stage):
             # The stage's module, and what it imports at its top, loads before the stage waits
@@ -71,13 +74,21 @@ def run_here(runner, stage: Stage, key: str, inputs: dict, why: Optional[str]) -
                 module = importlib.import_module(runner.pipeline.row(stage).module)
             with admission.admitted(runner, stage, inputs):
                 start = time.monotonic()
-                with trace.phase("run"), memory.PeakSampler() as sampled:
-                    result: StageResult = module.run(ctx)
+                with trace.phase("run"), memory.PeakSampler() as sampled, memory.WrittenBytes() as written:
+                    try:
+                        result: StageResult = module.run(ctx)
+                    except Exception as e:
+                        # A full disk says so the same way in every stage (inductor's own error wraps it).
+                        full = room.disk_full(e)
+                        if full is not None and not isinstance(e, CudabuildError):
+                            raise room.full_disk_error(stage.id, full, runner.store.root) from e
+                        raise
                 # What the stage left behind is collected now, before the next stage (here, or
                 # let in beside) adds its own: after a stage that held much more than it started
                 # with (where /proc cannot say, always).
                 memory.collect_if_worth(sampled.grown())
-        runner.store_result(stage, key, inputs, result, started=start, why=why, peak_rss=sampled.peak)
+        runner.store_result(stage, key, inputs, result, started=start, why=why, peak_rss=sampled.peak,
+                            written_bytes=written.bytes)
 
 
 class InProcess:

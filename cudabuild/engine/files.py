@@ -69,6 +69,20 @@ def atomic_copy(src: Path, dest: Path) -> str:
         return clone_file(src, Path(tmp))
 
 
+def move_or_copy(src: Path, dest: Path) -> str:
+    """Put src's file at dest atomically: renamed where both are on one filesystem (src is gone
+    then), else copied (atomic_copy). Returns "moved", "reflink" or "copy"."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.chmod(src, FILE_MODE)
+        os.replace(src, dest)
+        return "moved"
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    return atomic_copy(src, dest)
+
+
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 # Errors that mean "this filesystem (or pair of them) cannot share extents": copy instead.
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}

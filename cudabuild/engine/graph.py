@@ -132,6 +132,12 @@ class StageKind:
     # Whether the stage's peak memory scales with its upstream outputs' bytes. Export's does not:
     # it scales with the model it builds, which only a checkpoint's size or its last run tells.
     memory_from_upstream: bool = True
+    # The stage's peak resident memory as a multiple of its inputs' weights, which sizes a first
+    # run's reservation of the machine's memory (cudabuild.engine.admission); None: INPUT_FACTOR.
+    memory_factor: Optional[float] = None
+    # (config, method) -> the stage's peak device bytes as a multiple of its inputs' weights, which
+    # sizes its first run's reservation of the device (cudabuild.engine.workers) before a run is measured.
+    device_factor: Optional[Callable[[Build, Optional[str]], float]] = None
     # config -> whether the build has this stage at all (a recipe that quantizes has a quantize
     # stage; others do not). A stage absent from a build is left out of its plan, and consumers
     # neither wait for it nor key on it: their keys are what they were without the row.

@@ -77,3 +77,28 @@ class PeakSampler:
         if self._thread is not None:
             self._thread.join()
         self._sample()
+
+
+def written_bytes() -> Optional[int]:
+    """The bytes this process has written to storage so far (/proc/self/io's write_bytes, less
+    what it deleted before the kernel wrote it out), or None where /proc cannot say."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["write_bytes"]) - int(fields.get("cancelled_write_bytes", 0))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class WrittenBytes:
+    """`with WrittenBytes() as w: ...` then `w.bytes`: what the block wrote to storage (its
+    process's threads; not the compilers it started), or None where /proc cannot say."""
+
+    def __enter__(self) -> "WrittenBytes":
+        self._start, self.bytes = written_bytes(), None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = written_bytes()
+        if self._start is not None and end is not None:
+            self.bytes = max(0, end - self._start)

@@ -36,7 +36,7 @@ from cudabuild.engine import executors
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageResult
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
-from cudabuild.engine.files import atomic_copy
+from cudabuild.engine.files import move_or_copy
 from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
@@ -241,30 +241,41 @@ class Runner:
         return status
 
     def store_result(self, stage: Stage, key: str, inputs: dict, result: StageResult, started: float,
-                     why: Optional[str], peak_rss: Optional[int]) -> None:
+                     why: Optional[str], peak_rss: Optional[int], written_bytes: Optional[int] = None) -> None:
         """What a stage that ran here made, stored: its files into the store (its final outputs
         into build/ too), the record, then the stamp; then written back to the shared tier. Called
         while the stage's work directory still holds its files."""
+        finals = sorted(result.files) if self.pipeline.final_outputs(stage) else []
         with trace.phase("store writes"):
-            outputs = {name: self.store.put_file(path, result.known.get(name), result.regions.get(name))
+            # A work file is moved into the cache, not copied (a weights bundle of tens of GB is
+            # never on the disk twice); a final output stays, for build/ (below).
+            outputs = {name: self.store.put_file(path, result.known.get(name), result.regions.get(name),
+                                                 take=name not in finals)
                        for name, path in sorted(result.files.items())}
             outputs.update(self._stored(stage, result.stored))
         seconds = round(time.monotonic() - started, 3)
         stage_digest = result.digest or digest(outputs)
-        finals = sorted(result.files) if self.pipeline.final_outputs(stage) else []
         record = {"stage": stage.id, "digest": stage_digest, "outputs": outputs, "finals": finals,
                   "value": result.value, "seconds": seconds}
         for name in finals:
-            atomic_copy(result.files[name], self.config.build_dir / name)
+            # Moved where it can be (the work folder goes next): the .ptd the cache keeps as ranges
+            # of the weights is then on the disk once, in build/.
+            move_or_copy(result.files[name], self.config.build_dir / name)
             self.store.hasher.remember(self.config.build_dir / name, outputs[name])
         self.store.put_record(key, record)
         self.write_stamp(stage, Stamp(
             key=key, inputs=inputs, digest=stage_digest, outputs=outputs, finals=finals, value=result.value,
-            status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=peak_rss,
+            status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=peak_rss, written_bytes=written_bytes,
         ))
         if self.store.remote is not None:
             with trace.phase("upload"):
                 self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
+
+    def keep_file(self, path: Path, sha: Optional[str] = None, regions: Optional[list] = None) -> str:
+        """A running stage's file stored now (StageContext.keep); the work folder no longer holds it."""
+        sha = self.store.put_file(path, sha, regions, take=True)
+        Path(path).unlink(missing_ok=True)  # kept as ranges of other blobs: not taken
+        return sha
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))

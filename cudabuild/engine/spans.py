@@ -30,6 +30,7 @@ import os
 from typing import Callable, Iterable, Optional, Sequence
 
 from cudabuild.engine.hashing import CHUNK
+from cudabuild.errors import CudabuildError
 
 # A region smaller than this is glue, copied into the manifest rather than looked up
 # ($CUDABUILD_SPANS_MIN_REGION, bytes: the tests lower it to see spans in a small model's build).
@@ -80,6 +81,57 @@ def region_digests(path, regions: Iterable[tuple[int, int]]) -> list[tuple[int, 
             out.append((offset, length, ZEROS if all_zero else h.hexdigest()))
             end_of_last = offset + length
     return out
+
+
+def digested_regions(path, regions: Iterable[tuple]) -> list[tuple[int, int, str]]:
+    """region_digests of `regions`, where a region its producer hashed already comes as
+    (offset, length, sha256 or ZEROS) and is taken as it is, not read (it may be a hole: see
+    Store.put_file); in offset order, overlapping ones and those past the file's end left out."""
+    regions = list(regions)
+    given = {(r[0], r[1]): r[2] for r in regions if len(r) == 3}
+    read = region_digests(path, [(r[0], r[1]) for r in regions if len(r) == 2]) if len(given) < len(regions) else []
+    found = {(offset, length): sha for offset, length, sha in read}
+    found.update(given)
+    size = os.path.getsize(path)
+    out, end_of_last = [], 0
+    for (offset, length), sha in sorted(found.items()):
+        if length <= 0 or offset < end_of_last or offset + length > size:
+            continue
+        out.append((offset, length, sha))
+        end_of_last = offset + length
+    return out
+
+
+class SparseNotKept(CudabuildError):
+    """A file its producer wrote with holes where the store held its bytes, which cannot be kept
+    as spans after all (a blob it would read from went in the meantime): storing it plainly would
+    store the holes."""
+
+
+def has_holes(path) -> bool:
+    """Whether the file has holes (its producer left bytes out), where the filesystem can say."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            return size > 0 and os.lseek(f.fileno(), 0, os.SEEK_HOLE) < size
+        except (AttributeError, OSError):
+            return False
+
+
+class RegionHasher:
+    """The sha256 of a region's bytes as they are produced, chunk by chunk, and whether they are
+    all zeros (ZEROS): what a producer hands put_file as a digested region."""
+
+    def __init__(self):
+        self._h, self._zero = hashlib.sha256(), True
+
+    def update(self, chunk) -> None:
+        self._h.update(chunk)
+        if self._zero:  # a zeros buffer is cheap to make; once a byte is not zero, never asked again
+            self._zero = chunk == bytes(len(chunk))
+
+    def digest(self) -> str:
+        return ZEROS if self._zero else self._h.hexdigest()
 
 
 def plan(path, size: int, regions: list[tuple[int, int, str]], locate: Locate) -> Optional[list[Part]]:

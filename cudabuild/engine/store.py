@@ -62,6 +62,32 @@ SHARED_DOCS = ("recipe:", "options:", "tune:")
 _NEVER_CULL = 2**62
 
 
+class _TakingDisk(diskcache.Disk):
+    """diskcache's Disk, which can also take a file in by renaming it (`Taken`): a stage's output
+    of tens of GB then never exists twice on the disk (its work folder and the cache beside each
+    other). Where a rename cannot (another filesystem), the bytes are copied, as diskcache does."""
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if not isinstance(value, _Taken):
+            return super().store(value, read, key=key)
+        filename, full_path = self.filename(key, value)
+        os.makedirs(os.path.dirname(full_path), exist_ok=True)
+        try:
+            os.rename(value.path, full_path)
+            os.chmod(full_path, 0o644)
+            return os.path.getsize(full_path), diskcache.core.MODE_BINARY, filename, None
+        except OSError:
+            with open(value.path, "rb") as f:
+                return super().store(f, True, key=key)
+
+
+class _Taken:
+    """A file the store may take by renaming it (it is the caller's no more once stored)."""
+
+    def __init__(self, path: os.PathLike | str):
+        self.path = os.fspath(path)
+
+
 def default_root() -> Path:
     return Path(os.environ.get("CUDABUILD_CACHE_DIR") or Path.home() / ".cache" / "cudabuild")
 
@@ -83,6 +109,7 @@ class Store:
             self.cache = diskcache.Cache(
                 str(self.root / "store"),
                 size_limit=_NEVER_CULL,
+                disk=_TakingDisk,
                 eviction_policy="least-recently-used",
                 timeout=60,
             )
@@ -133,6 +160,32 @@ class Store:
             return manifest["parts"]
         return None
 
+    def _fill_holes(self, path, regions: list[tuple[int, int, str]], sha: str) -> None:
+        """Write into a file its producer left holes in (put_file's digested regions) the bytes
+        the store holds for them, so that it can be stored whole; SparseNotKept when a region's
+        bytes are no longer held, or the file then is not what its producer hashed."""
+        with open(path, "r+b") as out:
+            for offset, length, raw_sha in regions:
+                if raw_sha == spans.ZEROS or length < spans.MIN_REGION:
+                    continue  # zeros read as zeros; small regions were written
+                parts = self._locate(raw_sha, length)
+                if parts is None:
+                    raise spans.SparseNotKept(f"{Path(path).name} leaves out bytes the store no longer holds; build again")
+                out.seek(offset)
+                reader = spans.SpanReader({"size": length, "parts": parts}, self._open_plain)
+                try:
+                    while chunk := reader.read(CHUNK):
+                        out.write(chunk)
+                finally:
+                    reader.close()
+        if sha256_file(path) != sha:
+            raise spans.SparseNotKept(f"{Path(path).name} is not what its stage wrote once its holes are filled; build again")
+
+    def holds(self, raw_sha: str, length: int) -> bool:
+        """Whether the store holds these bytes already (by their own sha256), so a producer may
+        leave them out of a file it is about to store (put_file's digested regions)."""
+        return length >= spans.MIN_REGION and self._locate(raw_sha, length) is not None
+
     @contextlib.contextmanager
     def _refused(self, doing: str) -> Iterator[None]:
         """A write the cache's disk or SQLite refuses (a full disk, a read-only mount), reported as
@@ -155,17 +208,26 @@ class Store:
         with self._refused(f"reading {what}"):
             return self.cache.get(key, **options)
 
-    def put_file(self, path: os.PathLike | str, sha: Optional[str] = None, regions=None) -> str:
+    def put_file(self, path: os.PathLike | str, sha: Optional[str] = None, regions=None, take: bool = False) -> str:
         """Store a file's bytes under their sha256 (once: an existing blob is not rewritten).
 
         `regions` ([(offset, length)]: a tensor's bytes in the file, say) are where the file may
         repeat bytes the store holds already: when every big one does, the file is kept as spans
         of those (cudabuild.engine.spans), else plainly, its regions entered in the index so that
-        later files can be kept as spans of it."""
+        later files can be kept as spans of it. A region given as (offset, length, sha256) was
+        hashed by its producer already (spans.digested_regions): the file is then not read for it,
+        and it may even be a hole, where its producer found the bytes stored already
+        (`holds`); such a file must be kept as spans, and is refused (SparseNotKept) otherwise.
+
+        With `take`, a file stored plainly is moved into the cache rather than copied (the caller
+        gives it up: it is gone from `path` once this returns, whatever was stored)."""
         sha = sha or sha256_file(path)
         if self.has_blob(sha):
+            if take:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             return sha
-        found = spans.region_digests(path, regions) if regions else []
+        found = spans.digested_regions(path, regions) if regions else []
         if found:
             size = os.path.getsize(path)
             parts = spans.plan(path, size, found, self._locate)
@@ -173,8 +235,13 @@ class Store:
             if text is not None and len(text) <= size * spans.MAX_MANIFEST_SHARE:
                 self._set("spans:" + sha, text, Path(path).name)
                 return sha
-        with open(path, "rb") as f:
-            self._set("blob:" + sha, f, Path(path).name, read=True)
+        if regions and any(len(r) == 3 for r in regions) and spans.has_holes(path):
+            self._fill_holes(path, found, sha)  # not worth keeping as spans after all: stored whole
+        if take:
+            self._set("blob:" + sha, _Taken(path), Path(path).name)
+        else:
+            with open(path, "rb") as f:
+                self._set("blob:" + sha, f, Path(path).name, read=True)
         # Its bytes were just hashed on their way in: verified_path need not read them again.
         self.hasher.remember(self.blob_path(sha), sha)
         for offset, length, raw_sha in found:
@@ -250,18 +317,8 @@ class Store:
 
     def _write_spans(self, sha: str, dest: Path, for_name: Optional[str] = None) -> None:
         """A blob kept as spans written whole to `dest` (atomically), its bytes checked on the way."""
-        def write(out) -> None:  # atomic_write: the file gets a plain file's mode, and goes on error
-            try:
-                got = self._hash_blob(sha, out)
-            except (MissingBlob, OSError):
-                got = None
-            if got != sha:
-                self.drop_blob(sha)
-                if got is None:
-                    raise MissingBlob(f"blob {sha[:12]} reads from a blob that is gone from the cache at {self.root}")
-                raise CorruptBlob(sha, for_name)
-
-        atomic_write(dest, write)
+        # atomic_write: the file gets a plain file's mode, and goes on error
+        atomic_write(dest, lambda out: self._check_streamed(sha, out, for_name))
 
     def verified_path(self, sha: str, for_name: Optional[str] = None) -> Path:
         """The blob's own file in the store, its bytes checked against `sha`: to read or map, never
@@ -322,17 +379,39 @@ class Store:
     @contextlib.contextmanager
     def blob_file(self, sha: str, for_name: Optional[str] = None) -> Iterator[Path]:
         """A file of the blob's bytes for the block's length: the store's own for a plain blob (as
-        verified_path), a private copy for one kept as spans, deleted after the block (a reader
-        that needs a path once: what is written out for it does not stay beside the store)."""
+        verified_path); for one kept as spans, a private copy in memory (a memfd: a reader that
+        needs a path once, a weights blob of 20 GB loaded onto the device, takes no disk for it),
+        or where the system has none, on the disk beside the store; gone after the block."""
         self._ensure_local(sha)
         if self.spans_of(sha) is None:
             yield self.verified_path(sha, for_name)
+            return
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create(f"cudabuild-{sha[:16]}")
+            try:
+                with open(fd, "wb", closefd=False) as out:
+                    self._check_streamed(sha, out, for_name)
+                yield Path(f"/proc/{os.getpid()}/fd/{fd}")
+            finally:
+                os.close(fd)
             return
         folder = self.root / "spans"
         folder.mkdir(exist_ok=True)
         with temporary_file(folder, prefix=f".{sha[:16]}.") as tmp:
             self._write_spans(sha, Path(tmp), for_name)
             yield Path(tmp)
+
+    def _check_streamed(self, sha: str, out, for_name: Optional[str]) -> None:
+        """Stream a blob into `out`, checked against its sha256 on the way (dropped when it is not)."""
+        try:
+            got = self._hash_blob(sha, out)
+        except (MissingBlob, OSError):
+            got = None
+        if got != sha:
+            self.drop_blob(sha)
+            if got is None:
+                raise MissingBlob(f"blob {sha[:12]} reads from a blob that is gone from the cache at {self.root}")
+            raise CorruptBlob(sha, for_name)
 
     def mapped_parts(self, sha: str) -> Optional[tuple[dict, dict[str, Path]]]:
         """For a blob kept as spans: (its manifest, {plain blob: its verified file}), so a reader can
@@ -456,6 +535,15 @@ class Store:
         one kept as spans counts its manifest, what it takes on disk)."""
         keys = sorted({prefix + sha for sha in shas for prefix in ("blob:", "spans:")})
         return sum(diskcache_rows.sizes(self.cache, keys).values())
+
+    def logical_bytes(self, shas) -> int:
+        """The bytes of the distinct blobs among `shas` as they read: one kept as spans counts its
+        whole size, not its manifest (what a stage that maps it holds in memory)."""
+        total = 0
+        for sha in sorted(set(shas)):
+            manifest = self.spans_of(sha)
+            total += manifest["size"] if manifest is not None else self.blob_bytes([sha])
+        return total
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """{key prefix ("blob", "rec", "stat", "doc", "log"): (entries, bytes)}."""

@@ -7,19 +7,17 @@ $CUDABUILD_JOBS; `doit -n N` says it outright (cudabuild.doit_tasks reads it for
 below) and `-n 1` builds one stage at a time.
 
 Memory is what parallel stages can run out of: a real checkpoint's stage holds about its weights'
-size. So every stage that runs holds an admission lock (one flock per cache, so concurrent builds
-on one machine count too): shared when `workers` stages of its size fit in half the memory
-available now, exclusive otherwise, or when its size is unknown, or when its pipeline row says it
-must run alone (a stage that times kernels on the CPU). Shared holders exclude an exclusive one
-and the other way round, so stages that run side by side were each judged to fit `workers` times
-over. A stage that uses an accelerator (its row's `device`) also holds that device's lock, by
-the same rule for the device's memory (`device_admission`): shared when `workers` stages of its
-last measured peak (in a first build, an estimate from its inputs' bytes) fit in the device memory
-free now, else exclusive. So two compiles share one GPU
-once they are known to fit, and overlap their host-side phases (lowering, codegen, the C++
-compile). What must not overlap is the timing of kernels: a stage that benchmarks on the device
-takes `timing_lock(device)` around each benchmark alone (cudabuild.backend.benchmark_lock), so
-no tuning decision is timed beside another's work. The memory lock is always taken before the
+size. So every stage that runs reserves its estimated need from the machine's memory budget
+(`memory_budget`: USABLE_FRACTION of its memory) in a ledger shared by every build of the cache
+(cudabuild.engine.ledger), and is let in when the reservations in flight plus its own fit; it
+runs alone when its size is unknown or past the budget, or when its pipeline row says it must (a
+stage that times kernels on the CPU). A stage that uses an accelerator (its row's `device`) also
+reserves from that device's budget (`device_budget`), by its last measured peak, or in a first
+build by its inputs' bytes times its row's factor. So two compiles share one GPU when their
+needs fit together, and overlap their host-side phases (lowering, codegen, the C++ compile).
+What must not overlap is the timing of kernels: a stage that benchmarks on the device takes
+`timing_lock(device)` around each benchmark alone (cudabuild.backend.benchmark_lock), so no
+tuning decision is timed beside another's work. The memory budget is reserved before the
 device's, and the timing lock last, inside a stage.
 """
 
@@ -46,21 +44,17 @@ HISTORY_MARGIN = 1.25
 # A process that uses the GPU holds its CUDA context and its allocator's slack beyond the bytes
 # it allocated (which is what a stage measures as its peak).
 DEVICE_PROCESS_BYTES = 1 << 30
-# A device stage with no measured peak (a first build) is sized from its inputs: the program and
-# weights its upstream stages handed it. Measured on the H200 (ExecuTorch's Qwen3.5-MoE, int4,
-# 35b-a3b shapes at 4 layers, 3.2 GB of weights): compile peaks of 1.6x (decode) and 2.1x (prefill)
-# those bytes. 3x leaves room for verify, which holds the eager model and the compiled weights,
-# and DEVICE_FIRST_RUN_BYTES for a CUDA context, its workspace and autotuning's scratch buffers.
-DEVICE_INPUT_FACTOR = 3.0
+# A device stage with no measured peak (a first build) is sized from its inputs (the weights its
+# upstream stages handed it) times its pipeline row's factor (cudabuild.pipeline), plus this for a
+# CUDA context, its workspace and autotuning's scratch buffers.
 DEVICE_FIRST_RUN_BYTES = 2 << 30
-# Of the device memory free, what stages side by side may plan to use together: no page cache
+# Of the device's memory, what stages side by side may plan to allocate together: no page cache
 # or heap competes there, but the caching allocator reserves beyond its peak.
-DEVICE_USABLE_FRACTION = 0.8
-# Of the memory available, what stages side by side may plan to use together. Half: what a
-# process keeps after its stage (Python's heap, a worker's imports) is not in the estimates, and
-# a checkpoint of a third of the machine's memory is better built one stage at a time (its
-# stages' peaks at 1.3x its size, and its pages in the page cache, would not fit twice).
-USABLE_FRACTION = 0.5
+DEVICE_USABLE_FRACTION = 0.85
+# Of the machine's memory, what stages side by side may plan to hold together: what a process
+# keeps after its stage (Python's heap, a worker's imports) is not in the estimates, nor the page
+# cache the weights' mapped files live in.
+USABLE_FRACTION = 0.7
 
 
 def usable_cores() -> int:
@@ -105,61 +99,70 @@ def available_memory() -> Optional[int]:
 
 @dataclass(frozen=True)
 class Admission:
-    """How a stage is let in: `alone` or not, and why (for the trace and the log)."""
+    """How a stage is let in: `alone` or not, why (for the trace and the log), and the bytes it
+    reserves of the budget (`need`; None when alone: all of it)."""
 
     alone: bool
     why: str
+    need: Optional[int] = None
 
 
 def admission(workers: int, estimate: Optional[int], alone_because: Optional[str],
-              available: Optional[int]) -> Admission:
+              budget: Optional[int]) -> Admission:
+    """A stage's reservation of the machine's memory budget (memory_budget): its estimate, beside
+    the others whose reservations leave room for it (cudabuild.engine.ledger); alone when it says
+    so, when its memory is not known, or when the machine does not say how much it has."""
     if workers <= 1:
-        return Admission(False, "one stage at a time")
+        return Admission(False, "one stage at a time", 0)
     if alone_because:
         return Admission(True, alone_because)
     if estimate is None:
         return Admission(True, "its memory is not known before it runs")
-    if available is None:
-        return Admission(True, "this machine does not say how much memory is free")
-    if estimate * workers > available * USABLE_FRACTION:
-        return Admission(True, f"{workers} stages of ~{estimate / 2**30:.1f} GiB would not fit in "
-                               f"{available / 2**30:.1f} GiB free")
-    return Admission(False, f"~{estimate / 2**30:.1f} GiB fits {workers} times in {available / 2**30:.1f} GiB free")
+    if budget is None:
+        return Admission(True, "this machine does not say how much memory it has")
+    if estimate > budget:
+        return Admission(True, f"~{estimate / 2**30:.1f} GiB is more than the {budget / 2**30:.1f} GiB stages may use together")
+    return Admission(False, f"~{estimate / 2**30:.1f} GiB of the {budget / 2**30:.1f} GiB stages may use together", estimate)
 
 
-@contextlib.contextmanager
-def admitted(lock_file: Path, alone: bool) -> Iterator[float]:
-    """Hold the admission lock (exclusive when `alone`) around a stage; yields the seconds waited."""
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "a+") as handle:
-        start = time.monotonic()
-        fcntl.flock(handle, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        try:
-            yield time.monotonic() - start
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def memory_budget() -> Optional[int]:
+    """What the stages of the builds on this machine may hold together: USABLE_FRACTION of its
+    memory (the cgroup's limit where one is lower), or None where it cannot say."""
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        return None
+    with contextlib.suppress(OSError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit() and total is not None:
+            total = min(total, int(limit))
+    return int(total * USABLE_FRACTION) if total else None
 
 
-def device_admission(workers: int, last_peak: Optional[int], free: Optional[int],
-                     from_inputs: Optional[int] = None) -> Admission:
-    """Whether a stage that uses the device may share it: `last_peak` is the device bytes the
-    stage (or its sibling method) allocated at most in its last run, `free` the device's free
-    bytes now, `from_inputs` the bytes its upstream stages handed it (which size a first build's
-    stage, DEVICE_INPUT_FACTOR times over, where no peak is measured yet)."""
+def device_admission(workers: int, last_peak: Optional[int], budget: Optional[int],
+                     from_inputs: Optional[int] = None, input_factor: float = 0.0) -> Admission:
+    """A stage's reservation of the device's memory budget (device_budget): `last_peak` is the
+    device bytes the stage (or its sibling method) allocated at most in its last run; in a first
+    build, where there is none, `from_inputs` (the weights its upstream stages handed it) times
+    the stage's `input_factor` (its pipeline row's) sizes it."""
     if workers <= 1:
-        return Admission(False, "one stage at a time")
+        return Admission(False, "one stage at a time", 0)
     if last_peak is None and not from_inputs:
         return Admission(True, "its device memory is not known before it runs")
-    if free is None:
-        return Admission(True, "the device does not say how much memory is free")
+    if budget is None:
+        return Admission(True, "the device does not say how much memory it has")
     if last_peak is not None:
-        need, basis = int(last_peak * HISTORY_MARGIN) + DEVICE_PROCESS_BYTES, ""
+        need, basis = int(last_peak * HISTORY_MARGIN) + DEVICE_PROCESS_BYTES, "measured"
     else:
-        need, basis = int(from_inputs * DEVICE_INPUT_FACTOR) + DEVICE_FIRST_RUN_BYTES, " (estimated from its inputs)"
-    if need * workers > free * DEVICE_USABLE_FRACTION:
-        return Admission(True, f"{workers} stages of ~{need / 2**30:.1f} GiB{basis} would not fit in "
-                               f"{free / 2**30:.1f} GiB free on the device")
-    return Admission(False, f"~{need / 2**30:.1f} GiB{basis} fits {workers} times in {free / 2**30:.1f} GiB free on the device")
+        need, basis = int(from_inputs * input_factor) + DEVICE_FIRST_RUN_BYTES, "estimated from its inputs"
+    if need > budget:
+        return Admission(True, f"~{need / 2**30:.1f} GiB ({basis}) is more than the device's {budget / 2**30:.1f} GiB")
+    return Admission(False, f"~{need / 2**30:.1f} GiB ({basis}) of the device's {budget / 2**30:.1f} GiB", need)
 
 
 # Behave as on a card of this size (`24GiB`): admission counts the device's free memory as what is
@@ -177,10 +180,11 @@ def device_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
     return parse_size(text, DEVICE_MEMORY_ENV) if text else None
 
 
-def free_device_memory(device: str, environ: Optional[dict] = None) -> Optional[int]:
-    """The free bytes of the device a stage for `device` uses (the first of CUDA_VISIBLE_DEVICES),
-    from nvidia-smi, so deciding costs no CUDA context in this process; None where it cannot say.
-    Under $CUDABUILD_DEVICE_MEMORY, no more than that size less what is in use."""
+def device_budget(device: str, environ: Optional[dict] = None) -> Optional[int]:
+    """What the stages on the device a stage for `device` uses (the first of CUDA_VISIBLE_DEVICES)
+    may allocate together: DEVICE_USABLE_FRACTION of its memory (under $CUDABUILD_DEVICE_MEMORY, of
+    that size), from nvidia-smi, so deciding costs no CUDA context in this process; None where it
+    cannot say."""
     import shutil
     import subprocess
 
@@ -190,19 +194,25 @@ def free_device_memory(device: str, environ: Optional[dict] = None) -> Optional[
     visible = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     select = ["-i", visible] if visible else ["-i", "0"]
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.used", "--format=csv,noheader,nounits",
-                               *select], capture_output=True, text=True, timeout=20)
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", *select],
+                              capture_output=True, text=True, timeout=20)
         if done.returncode != 0:
             return None
-        free, used = (int(v.strip()) << 20 for v in done.stdout.strip().splitlines()[0].split(","))
+        total = int(done.stdout.strip().splitlines()[0].strip()) << 20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
     cap = device_memory_cap(environ)
-    return free if cap is None else max(0, min(free, cap - used))
+    return int((total if cap is None else min(total, cap)) * DEVICE_USABLE_FRACTION)
 
 
-def device_lock(locks: Path, device: str) -> Path:
-    return locks / f"device-{device}"
+def memory_ledger(locks: Path) -> Path:
+    """The ledger (cudabuild.engine.ledger) of this machine's memory budget."""
+    return locks / "ledger-memory.json"
+
+
+def device_ledger(locks: Path, device: str) -> Path:
+    """The ledger of a device's memory budget."""
+    return locks / f"ledger-device-{device}.json"
 
 
 def timing_lock(locks: Path, device: str) -> Path:

@@ -3,15 +3,20 @@
 The compile stage is keyed on what decides the code, not on the weights' values, so new weights
 for the same model (another seed, a new checkpoint of the same shapes) find its .so cached. This
 stage is keyed on the weights (the exported program's content digest), the edge program and the
-compile's result, and gives the .so with the blob for these weights, in one of three ways:
+compile's result, and gives the .so with the blob for these weights. The compile writes no blob
+of its own (it proves its constant table on AOTInductor's, in memory: aoti_constants.held_blob), so
+the blob is written here, in one of three ways:
 
 - *as compiled*: the compile's program held these very weights (its value's `lowered_from` is the
-  exported program's digest): its .so and blob are handed on, nothing is written;
-- *rewritten*: the compiled .so is handed on and the blob is written for these weights by the
-  compile's constant table (cudabuild.backend.aoti_constants.write_blob), from the edge program
-  for these weights (`lowered_program`: the edge program's graph and own tensors, and the exported
-  program's tensors where the edge lowering handed them on, cudabuild.backend.tensor_origins);
-  byte for byte what AOTInductor would write, which the compile proved on its own blob;
+  exported program's digest): the .so is handed on and the blob written by its constant table;
+- *rewritten*: the same, for other weights than the compile's program held: the blob is written
+  by the compile's constant table (cudabuild.backend.aoti_constants.write_blob), from the edge
+  program for these weights (`lowered_program`: the edge program's graph and own tensors, and the
+  exported program's tensors where the edge lowering handed them on, cudabuild.backend.tensor_origins);
+  byte for byte what AOTInductor would write, which the compile proved on its own blob. Either
+  way the constants whose bytes the store holds already (every weight, from the bundle or the
+  export) are holes in the file written, and the store keeps the blob as ranges of them: a
+  weights blob of 20 GB takes a manifest on the disk, not a copy;
 - *compiled*: where the shortcut cannot be trusted, one line says why and the method is compiled
   here, in the compile stage's own inductor dir (so its bytes are what a compile of these weights
   gives): the compile's constant table is malformed, was not proven on its own blob, is not the
@@ -58,8 +63,7 @@ def run(ctx) -> StageResult:
     method = ctx.stage.method
     weights = ctx.inputs["weights"]
     compiled = ctx.upstream("compile", method)
-    if (compiled.value or {}).get("lowered_from") == weights:
-        return StageResult({}, value={"blob": "as compiled"}, stored={n: compiled.outputs[n] for n in OUTPUTS})
+    as_compiled = (compiled.value or {}).get("lowered_from") == weights
     release_model()
     custom_ops.register(ctx.config.target)  # the ops the programs call
     read = (ctx.upstream("edge", method).value or {}).get("weights_read")
@@ -77,9 +81,10 @@ def run(ctx) -> StageResult:
         return _compiled(ctx, why, lower_again=False)
     path = ctx.workdir / "weights.blob"
     with phase("write"):
-        aoti_constants.write_blob(path, table, tensors)
-    return StageResult({"weights.blob": path}, value={"blob": "rewritten", "note": "weights blob rewritten, code as compiled"},
-                       regions={"weights.blob": aoti_constants.table_regions(table)},
+        # The bytes the store holds already (the weights, kept once) are left out: holes.
+        sha, regions = aoti_constants.write_blob(path, table, tensors, stored=ctx.holds)
+    value = {"blob": "as compiled"} if as_compiled else {"blob": "rewritten", "note": "weights blob rewritten, code as compiled"}
+    return StageResult({"weights.blob": path}, value=value, known={"weights.blob": sha}, regions={"weights.blob": regions},
                        stored={"model.so": compiled.outputs["model.so"]})
 
 
@@ -123,7 +128,7 @@ def _compiled(ctx, why: str, lower_again: bool) -> StageResult:
         return load_program(read, mapped)
 
     result = compile_stage.compile_program(ctx, load, key=compiled.key, graph=compiled.inputs["graph"],
-                                           lowered_from=ctx.inputs["weights"])
+                                           lowered_from=ctx.inputs["weights"], keep_blob=True)
     files = {name: result.files[name] for name in OUTPUTS}
     return StageResult(files, value={"blob": "compiled", "why": why, "note": "compiled for these weights: the shortcut was refused",
                                      "compile": result.value},

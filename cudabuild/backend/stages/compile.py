@@ -1,4 +1,4 @@
-"""compile: AOTInductor on one method's edge program -> model.so + constants.json + weights.blob (+ autotune.json).
+"""compile: AOTInductor on one method's edge program -> model.so + constants.json (+ autotune.json).
 
 The compiled code is keyed on what decides it: the edge program's code digest (its structure and
 its tensors' names, dtypes, shapes, strides and devices, not the weights' values: see
@@ -6,9 +6,11 @@ cudabuild.backend.programs), the specs, the toolchain and any pinned tuning. So 
 same model compile nothing: the blob stage (cudabuild.backend.stages.blob) writes their weights
 blob for this code, from `constants.json`, the table of the .so's constants (name, FQN, offset,
 size, dtype, shape, strides) taken from inductor as it writes the .so. The compile proves that
-table on its own blob: rebuilt from the program's tensors by the table, it must be AOTInductor's
-blob byte for byte (`constants.rewritable` in the value, with why not). The stage's digest is the
-.so's and the table's, not the blob's; the value names the weights the blob holds (`lowered_from`).
+table on AOTInductor's own blob: rebuilt from the program's tensors by the table, it must be that
+blob byte for byte (`constants.rewritable` in the value, with why not). AOTInductor's blob is
+compared in memory, as inductor hands it to be written, and never written (aoti_constants.held_blob):
+the build's one weights blob is the blob stage's. The stage's digest is the .so's and the table's;
+the value names the weights the program held (`lowered_from`).
 
 Where a value does decide code, it stays in the key: inductor writes a 0-d constant into a kernel as
 a literal and folds one-element constants (`constant_fold_uniform_value`), so tensors of at most
@@ -207,16 +209,19 @@ def run(ctx) -> StageResult:
                            key=ctx.key, graph=ctx.inputs["graph"], lowered_from=lowered_from)
 
 
-def compile_program(ctx, load, *, key: str, graph: str, lowered_from: str | None) -> StageResult:
+def compile_program(ctx, load, *, key: str, graph: str, lowered_from: str | None, keep_blob: bool = False) -> StageResult:
     """Compile the method's program that `load(mapped)` gives (its weights mapped into `mapped`) as
     the compile stage of key `key` does: in that key's inductor dir, so the bytes are the stage's,
     whichever stage calls it (the blob stage too, when it must compile). `graph` keys the tuning
-    decisions; `lowered_from` names the weights the program holds (the value says so)."""
+    decisions; `lowered_from` names the weights the program holds (the value says so). AOTInductor's
+    weights blob is held in memory, to prove the constant table on, and not written, unless
+    `keep_blob` (the blob stage's own compile, where the table cannot be trusted): then it is the
+    output `weights.blob`."""
     with _inductor_dir_lock(inductor_dir_for(key)):
-        return _compile(ctx, load, key, graph, lowered_from)
+        return _compile(ctx, load, key, graph, lowered_from, keep_blob)
 
 
-def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> StageResult:
+def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blob: bool) -> StageResult:
     import torch
 
     method, target = ctx.stage.method, ctx.config.target
@@ -247,7 +252,8 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
                        mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.store.root,
                        tier=ctx.store.remote) as (ep, fallbacks, probes, objects):
-        with phase("AOTInductor") as span, aoti_constants.captured_table() as table:
+        with phase("AOTInductor") as span, aoti_constants.captured_table() as table, \
+                aoti_constants.held_blob(hold=not keep_blob) as held:
             kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.store.root)
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
@@ -262,17 +268,22 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
             check_cuda_fallbacks(method, fallbacks, autotuned=times_kernels(specs, target))
         used = sorted(fallbacks)
 
-    so = next((p for p in paths if p.endswith(".wrapper.so")), None)
-    blob = next((p for p in paths if p.endswith(".wrapper_weights.blob")), None)
+    so = next((p for p in paths if isinstance(p, str) and p.endswith(".wrapper.so")), None)
+    blob = held.data if not keep_blob else next((p for p in paths if isinstance(p, str) and p.endswith(".wrapper_weights.blob")), None)
     if so is None or blob is None:
         raise CompileFailed(f"method {method}: AOTInductor produced no .so/weights blob pair: {paths}")
-    files = {"model.so": ctx.workdir / "model.so", "weights.blob": ctx.workdir / "weights.blob"}
+    files = {"model.so": ctx.workdir / "model.so"}
     shutil.move(so, files["model.so"])
-    shutil.move(blob, files["weights.blob"])
-    # The table, proven on AOTInductor's own blob: what lets the blob stage write other weights' blobs.
+    if keep_blob:
+        files["weights.blob"] = ctx.workdir / "weights.blob"
+        shutil.move(blob, files["weights.blob"])
+        blob = files["weights.blob"]
+    # The table, proven on AOTInductor's own blob: what lets the blob stage write the blob.
     with phase("constant table"):
-        problem = (aoti_constants.blob_problem(files["weights.blob"], dict(table), tensors) if table
+        problem = (aoti_constants.blob_problem(blob, dict(table), tensors) if table
                    else "AOTInductor reported no constant table")
+    del blob
+    held.data = None  # AOTInductor's buffer of every weight, let go before anything else is written
     files["constants.json"] = _write_json(ctx.workdir / "constants.json", dict(table))
     decisions = tuning.harvest(cache_dir)
     if decisions and source != "pinned":
@@ -282,7 +293,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
     files["autotune.json"] = _write_json(ctx.workdir / "autotune.json", {"tuning_key": tuning_key, "source": source, "files": decisions})
     report = {"fallback_kernels": used, "options": {k: v for k, v in options.items() if isinstance(v, (bool, str, int))}}
     files["compile.json"] = _write_json(ctx.workdir / "compile.json", report)
-    shas = {name: sha256_file(files[name]) for name in ("model.so", "constants.json", "weights.blob")}
+    shas = {name: sha256_file(files[name]) for name in files if name in ("model.so", "constants.json", "weights.blob")}
     value = {"fallback_kernels": used, "autotune": source, "decisions": len(decisions), "lowered_from": lowered_from,
              "constants": {"rewritable": problem is None, **({"why": problem} if problem else {})},
              "cpp_objects": {"cached": objects.cached, "fetched": objects.fetched, "compiled": objects.compiled}}
@@ -291,8 +302,9 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None) -> Stage
         value["isa_probes"] = {"remembered": probes.remembered, "checked": probes.checked}
     # Downstream depends on the code and its constant table, not on the weights in the blob beside
     # them, nor on the tuning timings.
+    regions = {"weights.blob": aoti_constants.table_regions(dict(table) if table else None)} if keep_blob else {}
     return StageResult(files, digest=digest({n: shas[n] for n in ("model.so", "constants.json")}), value=value,
-                       known=shas, regions={"weights.blob": aoti_constants.table_regions(dict(table) if table else None)})
+                       known=shas, regions=regions)
 
 
 def _write_json(path: Path, value) -> Path:

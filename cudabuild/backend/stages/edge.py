@@ -91,7 +91,7 @@ def run(ctx) -> StageResult:
         ep = load_program(ctx.reader("export", method), reuse)
     edge, watch = lower(ctx, ep, reuse)
     found, unknown = tensor_origins.origins(watch, edge)
-    result = program_result(edge, ctx.workdir, reuse, own=set(program_tensors(edge)) - set(found))
+    result = program_result(edge, ctx.workdir, reuse, own=set(program_tensors(edge)) - set(found), keep=ctx.keep)
     result.files[ORIGINS] = ctx.workdir / ORIGINS
     result.files[ORIGINS].write_text(json.dumps(found, sort_keys=True))
     read = watch.reads + [f"{fqn} is handed on in a form that cannot be followed" for fqn in unknown[:1]]

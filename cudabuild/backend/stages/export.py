@@ -81,7 +81,7 @@ def run(ctx) -> StageResult:
             ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=recipe.strict_export)
     except Exception as e:
         raise ExportFailed(f"method {method.name} of {ctx.config.model} failed to export: {one_line(e)}") from e
-    result = program_result(ep, ctx.workdir, reuse)
+    result = program_result(ep, ctx.workdir, reuse, keep=ctx.keep)
     if method.verify_steps is not None:
         # What verify runs, in order, on one loaded program (it has the program, not the model).
         result.files["verify_steps.pt"] = ctx.workdir / "verify_steps.pt"

@@ -19,12 +19,14 @@ from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 
 
-def program_result(ep, workdir: Path, reuse: Optional[StoredWeights], own: Optional[set] = None) -> StageResult:
-    """Save `ep` into `workdir` (weights `reuse` knows are named, not written) and describe it.
-    The value counts the graph's nodes and the weights handed on already stored, and holds the
-    code digest, in which the tensors named in `own` keep their values (programs.code_summary)."""
+def program_result(ep, workdir: Path, reuse: Optional[StoredWeights], own: Optional[set] = None,
+                   keep=None) -> StageResult:
+    """Save `ep` into `workdir` (weights `reuse` knows are named, not written; each weight file
+    stored as it is written, with `keep`: StageContext.keep) and describe it. The value counts the
+    graph's nodes and the weights handed on already stored, and holds the code digest, in which
+    the tensors named in `own` keep their values (programs.code_summary)."""
     with phase("save"):
-        saved = save_program(ep, workdir, reuse)
+        saved = save_program(ep, workdir, reuse, keep)
     summary = graph_summary(ep, saved.weights)
     files = dict(saved.files)
     files["graph.json"] = write_summary(summary, workdir / "graph.json")

@@ -1,0 +1,98 @@
+"""Whether a build's outputs fit the disks they go to, asked before its first stage.
+
+A first build of a big model that runs out of disk does so after many minutes, in whichever
+stage writes last (a 35B MoE at 40 layers once died 757 s in, in AOTInductor's write of its
+weights blob, with doit's database failing beside it). Its need can be projected from the
+options alone: the weights as the build keeps them (the recipe's `weights_bytes`, a quantized
+bundle) are on the disk twice at the end, once in the cache and once in build/'s .ptd (every other
+stage's copy of them is kept as ranges of the cached one: cudabuild.engine.spans), with WORKING
+of them besides while the stages run, in the cache's work folders. A build that cannot fit is
+refused in one line that names the need, the room, and where to point the cache.
+
+Also here: `disk_full`, which tells a full disk in whatever a stage raised (an OSError, or a
+library's error that wraps one, as inductor's does), so every stage names it the same way.
+
+Owns the projection and the check. Must not touch: what the weights are (the recipe says).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from cudabuild.errors import CudabuildError
+
+# Of the weights' bytes, what the stages' work files and temporaries hold at most beside the
+# cache and build/ (one tensor file, one compile's inductor folder, a blob's glue at a time).
+WORKING = 0.2
+MARGIN = 1 << 30
+
+
+class NoRoom(CudabuildError):
+    """The build's projected disk need is more than the free space where its outputs go."""
+
+
+class DiskFull(CudabuildError):
+    """A stage met a full disk."""
+
+
+def _device(path: Path) -> int:
+    """The filesystem `path` is on (its nearest existing folder's)."""
+    while not path.exists():
+        path = path.parent
+    return os.stat(path).st_dev
+
+
+def _free(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check(weights_bytes: Optional[int], cache: Path, build: Path, what: str) -> None:
+    """Refuse (NoRoom) a build whose weights take `weights_bytes` when the disks of the cache and
+    of build/ cannot hold them as the build keeps them (the module docstring); `what` names the
+    build in the message."""
+    if not weights_bytes:
+        return
+    needs = {cache: int(weights_bytes * (1 + WORKING)) + MARGIN, build: int(weights_bytes)}
+    by_disk: dict[int, list[Path]] = {}
+    for place in needs:
+        by_disk.setdefault(_device(place), []).append(place)
+    for places in by_disk.values():
+        need, free = sum(needs[p] for p in places), _free(places[0])
+        if need > free:
+            where = " and ".join(str(p) for p in places)
+            raise NoRoom(f"{what} needs about {_gb(need)} of disk at {where} (its weights, {_gb(weights_bytes)}, once "
+                         f"in the cache and once in build/'s .ptd, and room to work), and it has {_gb(free)} free",
+                         fix="free space there, or set CUDABUILD_CACHE_DIR (the cache and the stages' work folders) "
+                             "to a disk with room")
+
+
+def disk_full(error: BaseException) -> Optional[OSError]:
+    """The full-disk OSError behind `error` (it, its cause or context, or a wrapped one whose
+    message says `[Errno 28]`), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return error
+        if "[Errno 28]" in str(error) or "No space left on device" in str(error):
+            return OSError(errno.ENOSPC, "No space left on device")
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def full_disk_error(stage: str, error: OSError, cache: Path) -> DiskFull:
+    """The one line every stage that meets a full disk says."""
+    where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+    return DiskFull(f"stage {stage}", f"its disk is full{where}",
+                    fix=f"free space there (cudabuild cache gc --max-size SIZE for the cache at {cache}) or set "
+                        "CUDABUILD_CACHE_DIR to a disk with room; the next build resumes from the stages that finished")
