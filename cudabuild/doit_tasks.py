@@ -302,10 +302,16 @@ def check_room(runner: Runner) -> None:
     """A first build (no package built yet) whose weights the disk cannot hold is refused now,
     before its first stage (cudabuild.engine.room)."""
     config = runner.config
-    if (config.build_dir / ".stamps" / "package.json").exists():
+    if not config.weights_bytes or (config.build_dir / ".stamps" / "package.json").exists():
         return
+    # Weights the cache holds already (their stage up to date or restorable) need no room there:
+    # a restore writes build/'s .ptd alone.
+    from cudabuild.engine.explain import forecast
+
+    verdicts = {f.stage: f.verdict for f in forecast(runner)}
+    cached = verdicts.get("quantize") in ("up to date", "restorable")
     what = f"{config.model}/{config.target} ({', '.join(f'{k}={v}' for k, v in config.shown_options.items())})"
-    room.check(config.weights_bytes, runner.store.root, config.build_dir, what)
+    room.check(config.weights_bytes, runner.store.root, config.build_dir, what, weights_cached=cached)
 
 
 def open_pool(address: str, resources: str, store: Store) -> cluster.Pool:

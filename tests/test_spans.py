@@ -183,3 +183,40 @@ def test_a_build_whose_blobs_are_kept_as_ranges_gives_the_same_bytes_restores_an
     assert set(project.statuses().values()) == {"restored"}
     assert project.manifest()["outputs"] == built_tiny.manifest()["outputs"]
     assert project.cudabuild("cache", "verify").stdout.rstrip().endswith("intact, 0 dropped")
+
+
+def test_a_file_of_many_small_constants_beside_stored_ones_keeps_its_glue_once_in_a_blob_of_its_own(store, tmp_path):
+    """A 40-layer weights blob holds thousands of small constants (norms, a few KB each: megabytes
+    of glue) between the big ones the store holds: its manifest moves the glue into one blob
+    rather than store the file whole (which put a second 20 GB copy in the cache, 2026-12-06)."""
+    big = [_bytes(i, 4 * MiB) for i in range(3)]
+    bundle_sha, bundle_regions = _write(tmp_path / "bundle", *big)
+    store.put_file(tmp_path / "bundle", regions=bundle_regions)
+    small = [_bytes(100 + i, 40 << 10) for i in range(30)]  # 1.2 MiB of glue, each under MIN_REGION
+    pieces = [piece for i, b in enumerate(big) for piece in (b, *small[i * 10:(i + 1) * 10])]
+    sha, regions = _write(tmp_path / "blob", *pieces)
+    assert store.put_file(tmp_path / "blob", regions=regions) == sha
+    manifest = store.spans_of(sha)
+    assert manifest is not None and all(part[0] == "blob" for part in manifest["parts"])
+    glue = spans.referenced(manifest) - {bundle_sha}
+    assert len(glue) == 1 and store.blob_bytes(glue) == 30 * (40 << 10)
+    assert store.read_bytes(sha) == (tmp_path / "blob").read_bytes()
+
+
+def test_a_file_written_with_holes_where_the_store_holds_its_bytes_is_kept_as_their_ranges(store, tmp_path):
+    """The blob stage leaves a hole where the store holds a constant's bytes (Store.holds) and
+    hands put_file the regions it hashed: the file is never written whole, and reads back whole."""
+    a, b = _bytes(7, 3 * MiB), _bytes(8, MiB)
+    _, regions = _write(tmp_path / "bundle", a, b)
+    store.put_file(tmp_path / "bundle", regions=regions)
+    data = b"head" + a + b"mid" + b
+    sha = hashlib.sha256(data).hexdigest()
+    digested = [(4, len(a), hashlib.sha256(a).hexdigest()), (7 + len(a), len(b), hashlib.sha256(b).hexdigest())]
+    assert all(store.holds(d, n) for _, n, d in digested)
+    with open(tmp_path / "sparse", "wb") as f:
+        f.write(b"head")
+        f.seek(4 + len(a))
+        f.write(b"mid")
+        f.truncate(len(data))
+    assert store.put_file(tmp_path / "sparse", sha, digested) == sha
+    assert store.spans_of(sha) is not None and store.read_bytes(sha) == data

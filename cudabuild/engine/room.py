@@ -56,13 +56,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def check(weights_bytes: Optional[int], cache: Path, build: Path, what: str) -> None:
+def check(weights_bytes: Optional[int], cache: Path, build: Path, what: str, weights_cached: bool = False) -> None:
     """Refuse (NoRoom) a build whose weights take `weights_bytes` when the disks of the cache and
     of build/ cannot hold them as the build keeps them (the module docstring); `what` names the
-    build in the message."""
+    build in the message. With `weights_cached` (the cache holds them already), build/ alone."""
     if not weights_bytes:
         return
-    needs = {cache: int(weights_bytes * (1 + WORKING)) + MARGIN, build: int(weights_bytes)}
+    needs = {cache: 0 if weights_cached else int(weights_bytes * (1 + WORKING)) + MARGIN, build: int(weights_bytes)}
     by_disk: dict[int, list[Path]] = {}
     for place in needs:
         by_disk.setdefault(_device(place), []).append(place)

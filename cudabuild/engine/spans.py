@@ -35,7 +35,7 @@ from cudabuild.errors import CudabuildError
 # A region smaller than this is glue, copied into the manifest rather than looked up
 # ($CUDABUILD_SPANS_MIN_REGION, bytes: the tests lower it to see spans in a small model's build).
 MIN_REGION = int(os.environ.get("CUDABUILD_SPANS_MIN_REGION") or 64 << 10)
-# A manifest holding more literal bytes than this is not worth it: the file is stored plainly.
+# A manifest holding more literal bytes than this moves them into a blob of glue of their own (spilled).
 MAX_LITERAL = 1 << 20
 # Nor is one of more than this share of the file's size (a small model's files: mostly glue).
 MAX_MANIFEST_SHARE = 1 / 8
@@ -137,7 +137,8 @@ class RegionHasher:
 def plan(path, size: int, regions: list[tuple[int, int, str]], locate: Locate) -> Optional[list[Part]]:
     """The manifest's parts for a file of `size` bytes whose `regions` (region_digests) the store
     may hold already, or None when it should be stored plainly: a region of MIN_REGION or more
-    that `locate` does not find, no region found at all, or more than MAX_LITERAL of glue."""
+    that `locate` does not find, or no region found at all. Its glue is literal bytes, however
+    much (see `literal_bytes` and `spilled`)."""
     parts: list[Part] = []
     literal = found = 0
     at = 0
@@ -152,7 +153,7 @@ def plan(path, size: int, regions: list[tuple[int, int, str]], locate: Locate) -
                 return True
             literal += len(data)
             parts.append(["bytes", base64.b64encode(data).decode()])
-            return literal <= MAX_LITERAL
+            return True  # much glue is spilled into a blob of its own (spilled), or stored plainly
 
         for offset, length, sha in regions:
             if offset > at and not glue(at, offset):
@@ -174,6 +175,26 @@ def plan(path, size: int, regions: list[tuple[int, int, str]], locate: Locate) -
         if size > at and not glue(at, size):
             return None
     return _merged(parts) if found else None
+
+
+def literal_bytes(parts: Sequence[Part]) -> int:
+    return sum(part_length(p) for p in parts if p[0] == "bytes")
+
+
+def spilled(parts: Sequence[Part], put_glue: Callable[[bytes], str]) -> list[Part]:
+    """`parts` with their literal bytes moved into one blob of glue (`put_glue(data) -> sha`), each
+    a range of it: a weights blob of thousands of small constants (norms, biases, a few KB each;
+    megabytes at 40 layers) keeps a small manifest and its glue once."""
+    glue, out = bytearray(), []
+    for part in parts:
+        if part[0] == "bytes":
+            data = base64.b64decode(part[1])
+            out.append(["glue", len(glue), len(data)])
+            glue += data
+        else:
+            out.append(list(part))
+    sha = put_glue(bytes(glue))
+    return _merged([["blob", sha, p[1], p[2]] if p[0] == "glue" else p for p in out])
 
 
 def _merged(parts: list[Part]) -> list[Part]:

@@ -231,6 +231,10 @@ class Store:
         if found:
             size = os.path.getsize(path)
             parts = spans.plan(path, size, found, self._locate)
+            if parts is not None and spans.literal_bytes(parts) > spans.MAX_LITERAL:
+                # Much glue: kept once, in a blob of its own, unless the file is mostly glue.
+                parts = (spans.spilled(parts, self.put_bytes)
+                         if spans.literal_bytes(parts) <= size * spans.MAX_MANIFEST_SHARE else None)
             text = json.dumps({"size": size, "parts": parts}, separators=(",", ":")) if parts is not None else None
             if text is not None and len(text) <= size * spans.MAX_MANIFEST_SHARE:
                 self._set("spans:" + sha, text, Path(path).name)
