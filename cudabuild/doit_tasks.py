@@ -310,7 +310,9 @@ def check_room(runner: Runner) -> None:
 
     verdicts = {f.stage: f.verdict for f in forecast(runner)}
     cached = verdicts.get("quantize") in ("up to date", "restorable")
-    what = f"{config.model}/{config.target} ({', '.join(f'{k}={v}' for k, v in config.shown_options.items())})"
+    defaults = config.description.get("options") or {}
+    chosen = [f"{k}={v}" for k, v in config.options.items() if defaults.get(k) != v]
+    what = f"{config.model}/{config.target}" + (f" ({', '.join(chosen)})" if chosen else "")
     room.check(config.weights_bytes, runner.store.root, config.build_dir, what, weights_cached=cached)
 
 

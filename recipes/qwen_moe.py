@@ -101,4 +101,5 @@ RECIPE = Recipe(
     constant_methods=qwen35_moe.metadata,
     targets={"cuda": CUDA},
     weights_options=("seed",),
+    weights_bytes=qwen35_moe.plain_weights_bytes,
 )

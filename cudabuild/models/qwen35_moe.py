@@ -130,6 +130,22 @@ def weights_bytes(options: Mapping[str, Any]) -> int:
     return _BUNDLE_BASE.get(size, 0) + _BUNDLE_PER_LAYER.get(size, 0) * layers
 
 
+# The CPU form keeps the weights unquantized: bf16 for 35b-a3b, about 3.56x the int4 bundle's
+# bytes a layer (2 bytes a weight against 0.5625), and the embedding and lm_head at 1.02 GB each.
+_BF16_BASE, _BF16_OF_INT4 = {"35b-a3b": 2_034_000_000}, 2 / 0.5625
+
+
+def plain_weights_bytes(options: Mapping[str, Any]) -> int:
+    """About the bytes of the CPU form's weights (weights_bytes' counterpart): a checkpoint's
+    files, or the 35b-a3b size's bf16 weights by layer; tiny's are a few MB (0: not projected)."""
+    if options.get("checkpoint"):
+        folder = _folder(options["checkpoint"])
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    size = options.get("size", "tiny")
+    layers = int(options.get("layers") or 0) or quant.SIZES[size].get("num_hidden_layers", DEFAULT_LAYERS)
+    return int(_BF16_BASE.get(size, 0) + _BUNDLE_PER_LAYER.get(size, 0) * _BF16_OF_INT4 * layers)
+
+
 def _folder(path: str):
     from pathlib import Path
 

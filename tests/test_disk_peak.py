@@ -1,0 +1,167 @@
+"""A build's disk at its peak, not only at rest (issue 52): what would have caught the 40-layer build
+that filled its disk 757 s in with four or five copies of the weights.
+
+- the reference's stored state holds no weight (only the buffers a method writes);
+- the compile writes no weights blob of its own, not even in inductor's folder;
+- sampled while a cold build runs, the disk it takes (the cache, build/, the work folders beside
+  the cache, inductor's folders) never passes the weights twice over and a stated allowance for
+  the code (.so, .pte, C++ objects) and the folders' small files;
+- a build that cannot fit is refused before its first stage, in one line, with nothing written;
+- a disk that fills anyway is named the same way by whichever stage meets it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_ok
+
+MiB = 1 << 20
+
+
+class _Module(torch.nn.Module):
+    """A weight held as a buffer (as ExecuTorch's int4 experts are), and a state written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("experts", torch.randn(4, 8))
+        self.register_buffer("state", torch.zeros(1, 8))
+        self.register_buffer("cache", torch.zeros(2, 8))
+
+    def forward(self, x):
+        self.state.copy_(self.state + x)
+        self.cache[0].copy_(x[0])  # written through a view
+        return x @ self.experts.t() + self.state.sum()
+
+
+def test_the_reference_keeps_the_state_a_method_writes_and_no_weight():
+    from cudabuild.backend import sampled_logits
+
+    ep = torch.export.export(_Module(), (torch.randn(1, 8),))
+    assert sampled_logits.program_buffers(ep) == ["cache", "state"]
+
+
+def _du(*folders: Path) -> int:
+    """What the files under `folders` take on the disk (a hole takes nothing), read while a build
+    adds and deletes them."""
+    total = 0
+    for folder in folders:
+        for parent, _, names in os.walk(folder):  # a folder deleted while walked is skipped
+            for name in names:
+                try:
+                    stat = os.lstat(os.path.join(parent, name))
+                except FileNotFoundError:
+                    continue
+                if not os.path.islink(os.path.join(parent, name)):
+                    total += stat.st_blocks * 512
+    return total
+
+
+def _fat_recipe(project) -> None:
+    """tiny_lm with a vocabulary of 16k at width 256: 33 MB of weights, twice its code's files."""
+    text = (project.root / "recipes" / "tiny_lm.py").read_text()
+    fat = text.replace("TinyConfig(n_layers=options[\"layers\"])",
+                       "TinyConfig(n_layers=options[\"layers\"], dim=256, vocab_size=16384)")
+    assert fat != text
+    (project.root / "recipes" / "fat_lm.py").write_text(fat)
+
+
+def test_a_cold_build_never_holds_its_weights_more_than_twice(project, tmp_path):
+    """Every folder a cold build writes (the cache with its work folders, build/, inductor's) is
+    sampled every 20 ms. At its peak they hold the weights at most twice (cached once, in the .ptd
+    once), the code's files (.so, .pte, C++ objects, kept inductor folders: measured at rest, with
+    the weights taken out) and half the weights more (a work folder's files on their way into the
+    cache). Before issue 52 the compile's own blob, the blob stage's file and verify's copy each
+    added a whole copy. And the compile leaves no weights blob of its own in inductor's folder."""
+    _fat_recipe(project)
+    inductor = tmp_path / "inductor"
+    env = project.env(CUDABUILD_INDUCTOR_DIR=inductor, CUDABUILD_KEEP_INDUCTOR=1)
+    folders = (project.cache, project.root / "build", inductor)
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.wait(0.02):
+            peak[0] = max(peak[0], _du(*folders))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        assert_ok(project.export("model=fat_lm", "target=cpu", env=env))
+    finally:
+        stop.set()
+        sampler.join()
+    assert not list(inductor.rglob("*_weights.blob")), "the compile wrote a weights blob of its own"
+    weights = (project.root / "build" / "fat_lm" / "cpu" / "aoti_cpu_blob.ptd").stat().st_size
+    at_rest = _du(*folders)
+    code = at_rest - 2 * weights
+    assert weights > 30 * MiB and 0 < code < weights, (weights, code)
+    assert peak[0] <= 2.5 * weights + code, (peak[0], weights, code)
+
+
+def test_a_build_that_cannot_fit_is_refused_before_its_first_stage(project):
+    """qwen_moe's CPU form at 35b-a3b keeps its weights in bf16, about 70 GB at 40 layers: on a disk
+    with less than 2.2 times that free, the build stops in one line before anything runs."""
+    from cudabuild.models import qwen35_moe
+
+    need = 2.2 * qwen35_moe.plain_weights_bytes({"size": "35b-a3b", "layers": 0})
+    if shutil.disk_usage(project.root.parent).free >= need:
+        pytest.skip("this disk could hold a 35b-a3b CPU build")
+    result = project.export("model=qwen_moe", "size=35b-a3b", "target=cpu")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cudabuild: error: qwen_moe/cpu (size=35b-a3b") and " needs about " in lines[0], lines
+    assert "GB free" in lines[0] and "CUDABUILD_CACHE_DIR" in lines[0]
+    assert not (project.root / "build").exists()
+
+
+def test_the_projection_counts_only_build_s_ptd_when_the_weights_are_cached(tmp_path):
+    from cudabuild.engine import room
+
+    free = shutil.disk_usage(tmp_path).free
+    weights = int(free * 0.6)
+    with pytest.raises(room.NoRoom, match=r"needs about .* GB of disk at .*and it has .* GB free; free space there"):
+        room.check(weights, tmp_path / "cache", tmp_path / "build", "m/cuda")
+    room.check(weights, tmp_path / "cache", tmp_path / "build", "m/cuda", weights_cached=True)  # a restore
+    room.check(None, tmp_path / "cache", tmp_path / "build", "m/cuda")  # a recipe that says nothing
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_full_disk_is_named_the_same_way_by_any_stage_and_the_rerun_resumes(project, tmp_path):
+    """The cache on a 12 MB tmpfs: tiny_lm's build fills it. Whichever stage meets the full disk
+    (the cache's writer, or a compile inside inductor) says so in one line that names the fix; with
+    room again, the next build resumes and gives the bytes a build with room gives."""
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "12m"):
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount namespace)")
+    try:
+        cache = small / "cache"
+        inductor = small / "inductor"
+        env = project.env(CUDABUILD_CACHE_DIR=cache, CUDABUILD_INDUCTOR_DIR=inductor)
+        failed = project.export("model=tiny_lm", "target=cpu", env=env)
+        assert failed.returncode != 0
+        errors = [line for line in (failed.stdout + failed.stderr).splitlines() if "cudabuild: error" in line
+                  or line.startswith("  ") and "disk is full" in line]
+        said = " ".join(errors)
+        assert "disk is full" in said and ("CUDABUILD_CACHE_DIR" in said), failed.stdout[-2000:] + failed.stderr[-2000:]
+        assert "InductorError" not in said and "Traceback" not in failed.stderr
+        # Room again (the same cache, its disk grown): the build resumes from what was done and verifies.
+        assert subprocess.run(["mount", "-o", "remount,size=400m", str(small)], capture_output=True).returncode == 0
+        assert_ok(project.export("model=tiny_lm", "target=cpu", env=env))
+        statuses = set(project.statuses().values())
+        assert "cached" in statuses or "restored" in statuses, statuses
+        assert all(v["passed"] for v in project.manifest()["verify"].values())
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
