@@ -47,6 +47,7 @@ def stage_rows(stamps: Path) -> dict:
         rows[stamp.stem] = {"status": data.get("status"), "seconds": data.get("seconds"),
                             "peak_gpu_gib": round(value["peak_gpu_bytes"] / 2**30, 2) if value.get("peak_gpu_bytes") else None,
                             "peak_rss_gib": round(data["peak_rss"] / 2**30, 2) if data.get("peak_rss") else None,
+                            "peak_private_gib": round(data["peak_private"] / 2**30, 2) if data.get("peak_private") else None,
                             "written_gb": round(data["written_bytes"] / 1e9, 2) if data.get("written_bytes") is not None else None,
                             **({"verify": {k: value.get(k) for k in ("passed", "judged_by", "max_abs_diff", "states_compared")}}
                                if stamp.stem.startswith("verify") else {})}

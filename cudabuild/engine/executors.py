@@ -88,7 +88,7 @@ def run_here(runner, stage: Stage, key: str, inputs: dict, why: Optional[str]) -
                 # with (where /proc cannot say, always).
                 memory.collect_if_worth(sampled.grown())
         runner.store_result(stage, key, inputs, result, started=start, why=why, peak_rss=sampled.peak,
-                            written_bytes=written.bytes)
+                            written_bytes=written.bytes, peak_private=sampled.peak_private)
 
 
 class InProcess:

@@ -1,7 +1,9 @@
 """How much memory a stage held at its peak: resident set size sampled while it runs (Linux).
 
 A thread reads /proc/self/statm every 50 ms while the stage's code runs, and keeps the largest
-resident size seen (anonymous memory plus mapped file pages the process touched). Sampling may
+resident size seen (anonymous memory plus mapped file pages the process touched), and the largest
+private part of it (less the file-backed and shared pages: what two stages that map the same
+weights do not share). Sampling may
 miss a spike shorter than the interval; the process's own high-water mark (VmHWM) does not, but
 it covers the whole process, so it cannot say which stage it was. Resetting it per stage
 (/proc/self/clear_refs) would do that, at the cost of falsifying what `time -v` and wait4 report
@@ -27,9 +29,16 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def resident_bytes() -> Optional[int]:
+    return (_statm() or (None, None))[0]
+
+
+def _statm() -> Optional[tuple[int, int]]:
+    """(resident bytes, of which private: not file-backed nor shared memory), or None."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+            fields = f.read().split()
+        resident, shared = int(fields[1]) * _PAGE, int(fields[2]) * _PAGE
+        return resident, resident - shared
     except (OSError, ValueError, IndexError):
         return None
 
@@ -48,13 +57,17 @@ class PeakSampler:
         self.interval_s = interval_s
         self.start: Optional[int] = None  # the resident size on entry
         self.peak: Optional[int] = None
+        # The largest private part seen: resident less what is file-backed (mapped weights, which
+        # the page cache holds once for every process that maps them) or shared.
+        self.peak_private: Optional[int] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def _sample(self) -> None:
-        now = resident_bytes()
+        now = _statm()
         if now is not None:
-            self.peak = max(self.peak or 0, now)
+            self.peak = max(self.peak or 0, now[0])
+            self.peak_private = max(self.peak_private or 0, now[1])
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

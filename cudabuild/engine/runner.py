@@ -241,7 +241,8 @@ class Runner:
         return status
 
     def store_result(self, stage: Stage, key: str, inputs: dict, result: StageResult, started: float,
-                     why: Optional[str], peak_rss: Optional[int], written_bytes: Optional[int] = None) -> None:
+                     why: Optional[str], peak_rss: Optional[int], written_bytes: Optional[int] = None,
+                     peak_private: Optional[int] = None) -> None:
         """What a stage that ran here made, stored: its files into the store (its final outputs
         into build/ too), the record, then the stamp; then written back to the shared tier. Called
         while the stage's work directory still holds its files."""
@@ -266,6 +267,7 @@ class Runner:
         self.write_stamp(stage, Stamp(
             key=key, inputs=inputs, digest=stage_digest, outputs=outputs, finals=finals, value=result.value,
             status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=peak_rss, written_bytes=written_bytes,
+            peak_private=peak_private,
         ))
         if self.store.remote is not None:
             with trace.phase("upload"):

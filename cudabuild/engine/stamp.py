@@ -36,6 +36,7 @@ class Stamp:
     saved_seconds: Optional[float] = None  # a restore: what the run it replaced took
     peak_rss: Optional[int] = None  # a run: the process's resident bytes at the stage's peak (sampled)
     written_bytes: Optional[int] = None  # a run: what its process wrote to storage (/proc/self/io)
+    peak_private: Optional[int] = None  # a run: the private part of its resident peak (memory.PeakSampler)
     # A run on a cluster's worker (cudabuild.engine.cluster): where it ran (address, name, host, pid,
     # gpu) and, under `lost`, the workers that died running it before.
     worker: Optional[dict] = None
