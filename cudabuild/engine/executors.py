@@ -37,7 +37,7 @@ from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.graph import Stage
-from cudabuild.errors import CudabuildError
+from cudabuild.errors import CacheUnwritable, CudabuildError
 
 
 class Executor(Protocol):
@@ -80,7 +80,7 @@ def run_here(runner, stage: Stage, key: str, inputs: dict, why: Optional[str]) -
                     except Exception as e:
                         # A full disk says so the same way in every stage (inductor's own error wraps it).
                         full = room.disk_full(e)
-                        if full is not None and not isinstance(e, CudabuildError):
+                        if full is not None and not isinstance(e, (room.DiskFull, CacheUnwritable)):
                             raise room.full_disk_error(stage.id, full, runner.store.root) from e
                         raise
                 # What the stage left behind is collected now, before the next stage (here, or
