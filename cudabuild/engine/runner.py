@@ -267,9 +267,14 @@ class Runner:
                 self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
+        """Outputs handed on from upstream unchanged: blobs this cache holds, or the shared tier
+        does (on a cluster's worker whose upstream stage ran on another worker, the blob is there
+        only; Store.push then leaves it where it is)."""
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
-        if missing:
-            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in the cache")
+        remote = self.store.remote
+        if missing and not (remote is not None and remote.has_blobs([stored[name] for name in missing])):
+            where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
+            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in {where}")
         return dict(stored)
 
     # -- reading upstream outputs ----------------------------------------------------------------
