@@ -144,3 +144,13 @@ def test_a_stage_describes_itself_without_the_runner():
     stages = [name for name in graph if name.startswith("cudabuild.backend")]
     assert stages and not [name for name in stages if "cudabuild.engine.runner" in graph[name]]
     assert "cudabuild.engine.runner" not in graph["cudabuild.engine.context"]
+
+
+def test_executors_are_handed_no_runner():
+    """Executors execute; the runner alone restores, stores and stamps (cudabuild.engine.executors
+    gets a Job and gives an outcome)."""
+    path = PACKAGE / "engine" / "executors.py"
+    tree = ast.parse(path.read_text())
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    assert "runner" not in named
+    assert "cudabuild.engine.runner" not in import_graph()["cudabuild.engine.executors"]
