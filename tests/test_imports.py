@@ -154,3 +154,19 @@ def test_executors_are_handed_no_runner():
     named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
     assert "runner" not in named
     assert "cudabuild.engine.runner" not in import_graph()["cudabuild.engine.executors"]
+
+
+def test_a_stage_reads_the_store_and_the_recipe_through_its_context():
+    """A stage gets the recipe's form for its target (ctx.recipe) and its upstream outputs from its
+    context, which verifies them and rebuilds a producer whose blob is bad: never from the store
+    (ctx.store has gone) or the registry directly."""
+    graph = import_graph()
+    reaching = [f"{name} imports cudabuild.registry" for name in graph
+                if name.startswith("cudabuild.backend") and "cudabuild.registry" in graph[name]]
+    for name, path in module_files().items():
+        if name.startswith("cudabuild.backend"):
+            reaching += [f"{path.relative_to(REPO)}:{node.lineno} reads {ast.unparse(node)}"
+                         for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, ast.Attribute) and node.attr in ("store", "runner")
+                         and isinstance(node.value, ast.Name) and node.value.id == "ctx"]
+    assert not reaching, "; ".join(reaching)

@@ -372,6 +372,15 @@ class Runner:
     def output_path(self, stage: Stage, name: str) -> Path:
         return self._serve(stage, name, self.store.verified_path)
 
+    def output_path_of_sha(self, consumer: Stage, sha: str) -> Path:
+        """output_path of the output with this sha256 among those of `consumer`'s upstream stages."""
+        for upstream in self.pipeline.dependencies(consumer, self.config):
+            stamp = self.read_stamp(upstream)
+            name = next((n for n, s in sorted(stamp.outputs.items()) if s == sha), None) if stamp else None
+            if name is not None:
+                return self.output_path(upstream, name)
+        raise CudabuildError(f"stage {consumer.id} reads blob {sha[:12]}, which none of the stages it depends on made")
+
     @contextlib.contextmanager
     def output_file(self, stage: Stage, name: str):
         """A private file of an upstream output for the block (Store.blob_file), its producer run

@@ -10,7 +10,6 @@ import json
 # wait on this import (7 s) instead of its turn.
 import executorch.exir.serde.serialize  # noqa: F401
 
-from cudabuild import registry
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import canonical_json
 from cudabuild.backend.programs import StoredWeights
@@ -41,7 +40,7 @@ def build_model(ctx):
     key = (config.model, config.target, canonical_json(dict(config.options)), weights)
     if key not in _MODELS:
         _MODELS.clear()  # before building: the old and the new model need not fit together
-        recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
+        recipe = ctx.recipe
         try:
             if recipe.quantize is not None:
                 model = recipe.quantize.load(dict(config.options), quantized_folder(ctx))
