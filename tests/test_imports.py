@@ -170,3 +170,12 @@ def test_a_stage_reads_the_store_and_the_recipe_through_its_context():
                          if isinstance(node, ast.Attribute) and node.attr in ("store", "runner")
                          and isinstance(node.value, ast.Name) and node.value.id == "ctx"]
     assert not reaching, "; ".join(reaching)
+
+
+def test_a_model_imports_nothing_of_the_backend():
+    """cudabuild/models holds architectures and their weights; the ops a model's forward calls are
+    registered by the stage that runs it (cudabuild.backend.custom_ops), never by the model."""
+    graph = import_graph()
+    reaching = [f"{name} imports {target}" for name in graph if name.startswith("cudabuild.models")
+                for target in graph[name] if target.startswith("cudabuild.backend")]
+    assert not reaching, "; ".join(reaching)

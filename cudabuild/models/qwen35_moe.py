@@ -24,7 +24,6 @@ from typing import Any, Mapping
 
 import torch
 
-from cudabuild.backend import custom_ops
 from cudabuild.errors import InvalidConfig, InvalidOption, compose
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
@@ -115,8 +114,9 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     """The eager model from the quantize stage's output (`folder`: its files by name), built on the
     meta device and given the bundle's tensors with `assign` (ExecuTorch's load_prequantized_model),
     its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
-    the dequant prefill (on the GPU, as the stock exporter does)."""
-    custom_ops.register("cuda")  # the Triton ops the forward calls, with the fixes they need
+    the dequant prefill (on the GPU, as the stock exporter does). Its forward calls ExecuTorch's
+    Triton ops: the caller registers them first (cudabuild.backend.custom_ops.register("cuda"), as
+    the export and reference stages do), so a model imports nothing of the backend."""
     from executorch.examples.models.qwen3_5_moe.export import (
         _materialize_buffers, _replace_dense_with_w4dequant, load_prequantized_model,
     )
