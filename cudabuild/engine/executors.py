@@ -179,7 +179,8 @@ class InProcess:
         for polls in itertools.count():
             lease = remote.try_lease(key) if remote is not None else None
             # Look after claiming: the holder may have published and let go since our last look.
-            if job.look and store.find_record(key)[0] is not None:
+            # Only look: taking the record (and saying which tier it came from) is the runner's.
+            if job.look and store.locate_record(key)[0] is not None:
                 if lease is not None:
                     lease.release()
                 return None
