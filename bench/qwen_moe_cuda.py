@@ -180,10 +180,12 @@ def runtime_timing(stderr: str) -> dict:
 def eager_model(project: Path, cache: Path, options: dict):
     """ExecuTorch's model from the quantize stage's bundle in the cache, on the GPU."""
     sys.path.insert(0, str(project))
+    from cudabuild.backend import custom_ops
     from cudabuild.engine.store import Store
     from cudabuild.models import qwen35_moe
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
 
+    custom_ops.register("cuda")  # the Triton ops the model's forward calls, with their fixes
     stamp = json.loads((project / "build" / MODEL / TARGET / ".stamps" / "quantize.json").read_text())
     store = Store(cache)
     folder = Path(tempfile.mkdtemp(prefix="bundle-"))

@@ -70,6 +70,13 @@ class BuildConfig:
     def pipeline(self) -> Pipeline:
         return PIPELINE  # every build lowers through the one CUDA pipeline
 
+    @property
+    def recipe(self):
+        """The recipe's form for this build's target (what its stages build from, through
+        StageContext.recipe). Imports the recipe, and torch with it: a stage's business, never a
+        no-op build's."""
+        return registry.load_recipe(self.project, self.model).for_target(self.target)
+
 
 def load_config(project: Path, cli: Mapping[str, str], store, build_root: Optional[Path] = None) -> BuildConfig:
     """Merge the command line (`name=value` pairs) with the recipe's declarations.

@@ -37,6 +37,13 @@ class Option:
     meaning: Mapping[Any, str] = field(default_factory=dict)  # value -> what it means, e.g. {0: "every layer"}
     help: str = ""
 
+    def __post_init__(self):
+        # A recipe that names its targets by a variable it later rebinds (to a Recipe, say) would
+        # otherwise give an option that silently applies nowhere.
+        if not (isinstance(self.targets, tuple) and all(isinstance(t, str) for t in self.targets)):
+            raise ValueError(f"option {self.name}: targets must be a tuple of target names such as ('cuda',), "
+                             f"not {type(self.targets).__name__}")
+
     @property
     def kind(self) -> type:
         return type(self.default) if type(self.default) in _TYPE_NAMES else str

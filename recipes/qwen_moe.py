@@ -35,7 +35,8 @@ from cudabuild.models import qwen35_moe, qwen35_moe_fp32, qwen35_moe_plain, qwen
 from cudabuild.options import Option
 from cudabuild.recipe import Lowering, Method, Quantize, Recipe, Sampler
 
-CPU, CUDA = ("cpu",), ("cuda",)
+# The targets an option applies to (`targets=`): names, never the forms below.
+CPU_ONLY, CUDA_ONLY = ("cpu",), ("cuda",)
 # Every option of both forms, once: its type (its default's), range or choices, and the targets it
 # applies to (none named: both). A value for an option of the other form is refused up front.
 OPTIONS = (
@@ -43,26 +44,26 @@ OPTIONS = (
            help="a named size: tiny (the stock --tiny-test config) or 35b-a3b; random weights"),
     Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
     Option("checkpoint", "", folder=True, help="a Hugging Face checkpoint folder"),
-    Option("prequantized", "", folder=True, targets=CUDA, help="a bundle of ExecuTorch's quantize_and_save.py"),
+    Option("prequantized", "", folder=True, targets=CUDA_ONLY, help="a bundle of ExecuTorch's quantize_and_save.py"),
     Option("seed", 42, minimum=0, help="the random weights' seed (the stock --tiny-test's; another is new weights for the same code)"),
     Option("max_seq_len", 0, minimum=0, maximum=262_144, meaning={0: "from the checkpoint or the size"},
            help=f"the KV cache's length (and the longest prefill + 1): 0, or {qwen35_moe.MIN_SEQ_LEN} and more"),
-    Option("chunk", 0, minimum=0, targets=CPU, meaning={0: "from the checkpoint or the size"},
+    Option("chunk", 0, minimum=0, targets=CPU_ONLY, meaning={0: "from the checkpoint or the size"},
            help="the plain delta rule's prefill chunk"),
-    Option("qlinear", "4w", choices=("4w", "8w", "8da4w"), targets=CUDA),
-    Option("qlinear_group_size", 32, minimum=1, targets=CUDA),
-    Option("qembedding", "", choices=("", "8w"), targets=CUDA),
-    Option("hqq", False, targets=CUDA),
-    Option("dense_prefill", "tinygemm", choices=("tinygemm", "dequant"), targets=CUDA),
-    Option("moe_activation_dtype", "bf16", choices=("bf16", "int8"), targets=CUDA),
-    Option("splitk", True, targets=CUDA),
+    Option("qlinear", "4w", choices=("4w", "8w", "8da4w"), targets=CUDA_ONLY),
+    Option("qlinear_group_size", 32, minimum=1, targets=CUDA_ONLY),
+    Option("qembedding", "", choices=("", "8w"), targets=CUDA_ONLY),
+    Option("hqq", False, targets=CUDA_ONLY),
+    Option("dense_prefill", "tinygemm", choices=("tinygemm", "dequant"), targets=CUDA_ONLY),
+    Option("moe_activation_dtype", "bf16", choices=("bf16", "int8"), targets=CUDA_ONLY),
+    Option("splitk", True, targets=CUDA_ONLY),
 )
 # One resolve for both forms (the defaults say what a prequantized bundle must leave alone).
 resolve = functools.partial(qwen35_moe.resolve, defaults={o.name: o.default for o in OPTIONS})
 
 
 # ExecuTorch's Qwen3.5-MoE on its CUDA backend, as its export.py builds it.
-CUDA = Recipe(
+CUDA_FORM = Recipe(
     build=None,
     quantize=Quantize(run=qwen35_moe_quantize.quantize, load=qwen35_moe.load, truth=qwen35_moe_fp32.truth,
                       options=qwen35_moe.QUANTIZE_OPTIONS, folders=qwen35_moe.QUANTIZE_FOLDERS),
@@ -99,7 +100,7 @@ RECIPE = Recipe(
     resolve=resolve,
     specs={"cpu": {"triton_kernel_mode": "OFF", "max_autotune": "OFF"}},
     constant_methods=qwen35_moe.metadata,
-    targets={"cuda": CUDA},
+    targets={"cuda": CUDA_FORM},
     weights_options=("seed",),
     weights_bytes=qwen35_moe.plain_weights_bytes,
 )

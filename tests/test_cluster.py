@@ -6,8 +6,11 @@ nanny, so a killed worker stays dead), one of them offering GPU=1 without a GPU.
 the pipeline table (compile and verify on cuda ask GPU=1) cannot run on a CPU, so the end-to-end
 test plays it with the documented `resources=compile:GPU=1` (what stages of a kind ask beside
 their row's), and the table's own rule is checked on a cuda configuration without building it.
-To stay cheap, each end-to-end test seeds the tier from the run's one tiny build and removes the
-records of the few stages it wants run: everything else is restored from the tier.
+To stay cheap, most end-to-end tests seed the tier from the run's one tiny build and remove the
+records of the few stages they want run: everything else is restored from the tier. Two build
+cold (Redis, S3) on two workers, each stage kind pinned by resources to the worker that did not
+make its inputs, and compare the outputs byte for byte with the run's local cold build; one kills
+the worker that made a stage's input before the stage runs elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -49,6 +53,14 @@ DRIVER = (
 class DaskCluster:
     address: str
     workers: dict[str, subprocess.Popen]  # name -> its process (the worker itself: no nanny)
+    add_worker: Callable[..., subprocess.Popen]  # (name, *dask worker options): started, and joined
+
+    def kill(self, name: str) -> int:
+        """SIGKILL a worker and wait until it is gone; its pid."""
+        process = self.workers[name]
+        process.kill()
+        process.wait(timeout=30)
+        return process.pid
 
 
 def _dask(*args: str, env: dict, cwd: Path, log: Path) -> subprocess.Popen:
@@ -58,35 +70,52 @@ def _dask(*args: str, env: dict, cwd: Path, log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture
-def dask_cluster(tmp_path, server):
-    """A scheduler and two workers on loopback: `gpu` (GPU=1) and `cpu`, sharing the tier `server`.
-    A worker imports cudabuild from the project a test builds (its path is given per test, through
-    $CUDABUILD_PROJECT and PYTHONPATH in `start`)."""
+def dask_on(tmp_path):
+    """`start(project, env, {name: [dask worker options]})`: a scheduler and workers on loopback, one
+    thread each, no nanny (a killed worker stays dead), each in a local directory of its own. A
+    worker imports cudabuild from the project a test builds ($CUDABUILD_PROJECT, PYTHONPATH)."""
     started: list[subprocess.Popen] = []
 
-    def start(project: Project) -> DaskCluster:
-        env = project.env(CUDABUILD_REMOTE=server.url, CUDABUILD_REMOTE_LEASE_SECONDS=2, PYTHONPATH=project.root)
+    def start(project: Project, env: dict, workers: dict[str, list[str]]) -> DaskCluster:
+        env = dict(env, PYTHONPATH=str(project.root))
         port = _free_port()
         address = f"tcp://127.0.0.1:{port}"
         started.append(_dask("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
                              env=env, cwd=project.root, log=tmp_path / "scheduler.log"))
-        workers = {}
-        for name, extra in (("gpu", ["--resources", "GPU=1"]), ("cpu", [])):
-            workers[name] = _dask("worker", address, "--name", name, "--nthreads", "1", "--no-nanny", "--no-dashboard",
-                                  "--local-directory", str(tmp_path / f"worker-{name}"), *extra,
-                                  env=env, cwd=project.root, log=tmp_path / f"worker-{name}.log")
-            started.append(workers[name])
-        from distributed import Client
+        cluster_ = DaskCluster(address, {}, None)
 
-        with Client(address, timeout=600) as client:
-            client.wait_for_workers(2, timeout=600)
-        return DaskCluster(address, workers)
+        def add_worker(name: str, *options: str) -> subprocess.Popen:
+            process = _dask("worker", address, "--name", name, "--nthreads", "1", "--no-nanny", "--no-dashboard",
+                            "--local-directory", str(tmp_path / f"worker-{name}"), *options,
+                            env=env, cwd=project.root, log=tmp_path / f"worker-{name}.log")
+            started.append(process)
+            cluster_.workers[name] = process
+            from distributed import Client
+
+            with Client(address, timeout=600) as client:
+                deadline = time.monotonic() + 600
+                while name not in {str(w.get("name")) for w in client.scheduler_info()["workers"].values()}:
+                    assert time.monotonic() < deadline and process.poll() is None, f"worker {name} did not join"
+                    time.sleep(0.2)
+            return process
+
+        cluster_.add_worker = add_worker
+        for name, options in workers.items():
+            add_worker(name, *options)
+        return cluster_
 
     yield start
     for process in started:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+@pytest.fixture
+def dask_cluster(dask_on, server):
+    """A scheduler and two workers on loopback: `gpu` (GPU=1) and `cpu`, sharing the tier `server`."""
+    return lambda project: dask_on(project, project.env(CUDABUILD_REMOTE=server.url, CUDABUILD_REMOTE_LEASE_SECONDS=2),
+                                   {"gpu": ["--resources", "GPU=1"], "cpu": []})
 
 
 def seeded_without(built: Project, server, stages: list[str]) -> dict[str, str]:
@@ -292,3 +321,84 @@ def test_a_local_cluster_runs_what_must_run_and_a_stage_failing_there_fails_its_
     assert broken["status"] == "failed" and broken["failed_step"] == "export.forward"
     assert broken["error"].startswith("on worker host0 (") and "broken on purpose" in broken["error"]
     assert [w["name"] for w in report["cluster"]["workers"]] == ["host0"] and report["cluster"]["submitted"] == 2
+
+
+# -- cold, on two workers: every stage's inputs made by another worker ------------------------------------
+
+# Where each kind of stage runs: compile on worker a, blob on b (the .so compile made on a), package
+# on a (the blobs b made), verify on b (the package a made); probe, export and edge wherever the
+# scheduler puts them. The workers offer A=1 and B=1, the command line asks for them.
+PINNED = {"a": ["--resources", "A=1"], "b": ["--resources", "B=1"]}
+CROSSED = "resources=compile:A=1,blob:B=1,package:A=1,verify:B=1"
+
+
+def assert_every_kind_read_another_workers_output(placement: dict) -> None:
+    on = {stage: worker["name"] for stage, worker in placement.items()}
+    for method in ("decode", "prefill"):
+        assert on[f"blob.{method}"] != on[f"compile.{method}"], on
+        assert on[f"verify.{method}"] != on["package"], on
+    assert on["package"] not in {on["blob.decode"], on["blob.prefill"]}, on
+
+
+def assert_built_as_a_local_cold_build(project: Project, local: Project) -> None:
+    outputs = project.manifest()["outputs"]
+    assert outputs == local.manifest()["outputs"]
+    for name in outputs:
+        assert (project.build_dir / name).read_bytes() == (local.build_dir / name).read_bytes(), name
+
+
+def cold_nightly_on_two_workers(project: Project, env: dict, dask_on) -> dict:
+    dask = dask_on(project, env, PINNED)
+    assert_ok(project.doit(*NIGHTLY, f"cluster={dask.address}", CROSSED, env=env))
+    assert set(project.statuses().values()) == {"ran"}
+    build, = nightly_json(project)["builds"]
+    assert build["status"] == "ok" and build["retried"] == {}
+    return build
+
+
+@pytest.mark.slow
+def test_a_cold_build_on_two_workers_through_redis_is_byte_identical_to_a_local_one(built_tiny, server, dask_on,
+                                                                                   tmp_path):
+    proj = new_project(tmp_path / "driver")
+    build = cold_nightly_on_two_workers(proj, proj.env(CUDABUILD_REMOTE=server.url), dask_on)
+    assert_every_kind_read_another_workers_output(build["placement"])
+    assert_built_as_a_local_cold_build(proj, built_tiny)
+
+
+@pytest.mark.slow
+def test_a_cold_build_on_two_workers_through_s3_is_byte_identical_to_a_local_one(built_tiny, s3_server, dask_on,
+                                                                                tmp_path):
+    proj = new_project(tmp_path / "driver")
+    url = s3_server.url("cluster")
+    build = cold_nightly_on_two_workers(proj, proj.env(CUDABUILD_REMOTE=url, **s3_server.env()), dask_on)
+    assert_every_kind_read_another_workers_output(build["placement"])
+    assert_built_as_a_local_cold_build(proj, built_tiny)
+    # What the workers published is in the object store: every stage's record, each blob once.
+    assert sum(key.startswith("rec/") for key in s3_server.keys(url)) >= len(STAGES)
+
+
+@pytest.mark.slow
+def test_a_stage_whose_producers_worker_is_gone_reads_what_it_made_from_the_tier(built_tiny, server, dask_on, tmp_path):
+    keys = seeded_without(built_tiny, server, ["compile.decode", "blob.decode", "package", "verify.decode"])
+    proj = new_project(tmp_path / "driver")
+    env = proj.env(CUDABUILD_REMOTE=server.url)
+    dask = dask_on(proj, env, {"producer": []})
+    # The producer: compile.decode alone (and the upstream stages it needs, restored from the tier).
+    assert_ok(proj.doit("nightly:tiny_lm/cpu:compile.decode", "models=tiny_lm", "targets=cpu",
+                        f"cluster={dask.address}", env=env))
+    compiled = proj.stamp("compile.decode")
+    assert compiled["status"] == "ran" and compiled["worker"]["name"] == "producer"
+    redis = server.client()
+    assert redis.exists(f"cudabuild:rec:{keys['compile.decode']}") and not redis.exists(f"cudabuild:rec:{keys['blob.decode']}")
+    killed = dask.kill("producer")
+    # The consumers, on a worker whose cache is empty, after the producer and its cache are gone.
+    dask.add_worker("consumer")
+    result = proj.doit(*NIGHTLY, f"cluster={dask.address}", env=env)
+    assert_ok(result)
+    statuses = proj.statuses()
+    assert {s for s, status in statuses.items() if status == "ran"} == {"blob.decode", "package", "verify.decode"}
+    assert statuses["compile.decode"] == "cached"
+    build, = nightly_json(proj)["builds"]
+    assert {worker["name"] for worker in build["placement"].values()} == {"consumer"}
+    assert proj.stamp("compile.decode")["worker"]["pid"] == killed  # made by the worker that is gone
+    assert_built_as_a_local_cold_build(proj, built_tiny)

@@ -13,11 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def stage_context(seed: int) -> SimpleNamespace:
-    """What build_model reads of a stage's context: the build's config (tiny_lm, from this repo)
-    and the stage's key inputs (no quantize stage's digest: tiny_lm builds its model itself)."""
+    """What build_model reads of a stage's context: the build's config (tiny_lm, from this repo),
+    the recipe's form it loads, and the stage's key inputs (no quantize stage's digest: tiny_lm
+    builds its model itself)."""
     config = BuildConfig(project=REPO, model="tiny_lm", target="cpu", options={"seed": seed, "layers": 2},
                          specs={}, description={})
-    return SimpleNamespace(config=config, inputs={})
+    return SimpleNamespace(config=config, recipe=config.recipe, inputs={})
 
 
 def test_methods_share_the_model_and_a_new_model_replaces_the_last():

@@ -144,3 +144,38 @@ def test_a_stage_describes_itself_without_the_runner():
     stages = [name for name in graph if name.startswith("cudabuild.backend")]
     assert stages and not [name for name in stages if "cudabuild.engine.runner" in graph[name]]
     assert "cudabuild.engine.runner" not in graph["cudabuild.engine.context"]
+
+
+def test_executors_are_handed_no_runner():
+    """Executors execute; the runner alone restores, stores and stamps (cudabuild.engine.executors
+    gets a Job and gives an outcome)."""
+    path = PACKAGE / "engine" / "executors.py"
+    tree = ast.parse(path.read_text())
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    assert "runner" not in named
+    assert "cudabuild.engine.runner" not in import_graph()["cudabuild.engine.executors"]
+
+
+def test_a_stage_reads_the_store_and_the_recipe_through_its_context():
+    """A stage gets the recipe's form for its target (ctx.recipe) and its upstream outputs from its
+    context, which verifies them and rebuilds a producer whose blob is bad: never from the store
+    (ctx.store has gone) or the registry directly."""
+    graph = import_graph()
+    reaching = [f"{name} imports cudabuild.registry" for name in graph
+                if name.startswith("cudabuild.backend") and "cudabuild.registry" in graph[name]]
+    for name, path in module_files().items():
+        if name.startswith("cudabuild.backend"):
+            reaching += [f"{path.relative_to(REPO)}:{node.lineno} reads {ast.unparse(node)}"
+                         for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, ast.Attribute) and node.attr in ("store", "runner")
+                         and isinstance(node.value, ast.Name) and node.value.id == "ctx"]
+    assert not reaching, "; ".join(reaching)
+
+
+def test_a_model_imports_nothing_of_the_backend():
+    """cudabuild/models holds architectures and their weights; the ops a model's forward calls are
+    registered by the stage that runs it (cudabuild.backend.custom_ops), never by the model."""
+    graph = import_graph()
+    reaching = [f"{name} imports {target}" for name in graph if name.startswith("cudabuild.models")
+                for target in graph[name] if target.startswith("cudabuild.backend")]
+    assert not reaching, "; ".join(reaching)

@@ -69,6 +69,17 @@ def test_a_plain_mapping_is_a_table_of_its_defaults_types_and_a_name_is_declared
         opt.table([Option("seed", 0), Option("seed", 1)])
 
 
+def test_an_option_names_its_targets_or_is_refused_when_declared():
+    """recipes/qwen_moe.py once bound CUDA = ("cuda",) for its table, then CUDA = Recipe(...): an
+    option declared after that with targets=CUDA would have applied to no target at all."""
+    from cudabuild.recipe import Recipe
+
+    form = Recipe(build=None, methods=())
+    for targets in (form, "cuda", ["cuda"]):
+        with pytest.raises(ValueError, match="option qlinear: targets must be a tuple of target names such as"):
+            Option("qlinear", "4w", targets=targets)
+
+
 def test_the_table_survives_the_description_memo_as_data():
     assert tuple(Option.from_data(o.as_data()) for o in TABLE) == TABLE
 

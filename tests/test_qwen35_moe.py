@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from cudabuild.backend import sampled_logits
+from cudabuild.backend import custom_ops, sampled_logits
 from cudabuild.config import load_config
 from cudabuild.engine.graph import Result, Stage
 from cudabuild.engine.hashing import digest
@@ -40,6 +40,7 @@ def bundle(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(bundle):
+    custom_ops.register("cuda")  # the Triton ops its forward calls, as the export stage registers them
     return q.load(OPTIONS, bundle)
 
 

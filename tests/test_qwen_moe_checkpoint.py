@@ -216,7 +216,26 @@ def test_a_cut_reads_and_checks_only_the_layers_it_keeps(tmp_path):
     folder = write(tmp_path / "ckpt", edit=break_layer_3)
     assert qc.check_checkpoint(folder, layers=3)[1] == []
     assert len(qc.check_checkpoint(folder)[1]) == 1
-    assert qc.check_checkpoint(folder, layers=5)[1] == ["qwen_moe option layers=5: the checkpoint has 4"]
+    # More layers than it has: every layer is checked here; that it has fewer is resolve's to say.
+    assert qc.check_checkpoint(folder, layers=5)[1] == qc.check_checkpoint(folder)[1]
+
+
+def test_more_layers_than_the_weights_have_is_said_once_by_resolve(good):
+    """`layers` is checked in two places, each for what only it knows: its range by the option
+    table, its bound by the recipe's resolve against the depth of the weights' source (the size's
+    or the checkpoint's config.json), one line either way."""
+    from conftest import REPO
+    from cudabuild import registry
+    from cudabuild.errors import InvalidConfig
+
+    recipe = registry.load_recipe(REPO, "qwen_moe")
+    base = recipe.defaults("cpu")
+    for given, said in (({"checkpoint": str(good), "layers": 5}, "the checkpoint has 4"),
+                        ({"layers": 9}, "the size tiny has 4")):
+        with pytest.raises(InvalidConfig) as raised:
+            recipe.resolve({**base, **given})
+        assert raised.value.problems == [f"qwen_moe option layers={given['layers']}: {said}"]
+    assert recipe.resolve({**base, "checkpoint": str(good), "layers": 4})["layers"] == 4
 
 
 def test_a_damaged_header_is_one_line(good, tmp_path):

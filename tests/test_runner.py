@@ -96,3 +96,35 @@ def test_stamps_round_trip_through_the_one_reader_and_writer(tmp_path):
     shutil.copy(tmp_path / "s.json", tmp_path / "t.json")
     (tmp_path / "t.json").write_text((tmp_path / "t.json").read_text().replace('"finals"', '"finales"'))
     assert Stamp.load(tmp_path / "t.json").finals == []  # an unknown field is ignored, a default used
+
+
+def test_a_corrupt_upstream_blob_is_rebuilt_through_the_builds_executor(runner_for):
+    """A producer whose output turns out bad is run again by the build's executor (its lock, its
+    admission, its process), not beside it; then the consumer reads the new output."""
+    from cudabuild.engine import executors
+
+    make, _ = runner_for
+    runner = make()
+    verify, export = Stage("verify", "decode"), Stage("export", "decode")
+    runner.store.drop_record(runner.read_stamp(verify).key)
+    runner.stamp_path(verify).unlink()
+    damaged = runner.store.blob_path(runner.read_stamp(export).outputs["inputs.pt"])
+    damaged.write_bytes(b"\0" * damaged.stat().st_size)
+    jobs = []
+
+    class Noted:
+        """The build's executor: the stages it is handed, run here."""
+
+        logs_here = True
+
+        def run(self, job):
+            jobs.append((job.stage.id, job.key))
+            return executors.InProcess().run(job)
+
+    runner.executor = Noted()
+    assert runner.execute(verify) == "ran"
+    assert [stage for stage, _ in jobs] == ["verify.decode", "export.decode"]
+    rebuilt = runner.read_stamp(export)
+    assert (rebuilt.status, rebuilt.key, runner.statuses["export.decode"]) == ("ran", jobs[1][1], "ran")
+    assert runner.store.verify_blob(rebuilt.outputs["inputs.pt"])  # stored again, whole
+    assert runner.read_stamp(verify).status == "ran"

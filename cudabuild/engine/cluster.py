@@ -12,7 +12,7 @@ the Dask resources its pipeline row implies (`resources_for`: a stage on a devic
 memory estimate, MEMORY=bytes, where workers offer MEMORY). A worker runs the stage's Runner.execute
 with its own local cache and the same shared tier, which the outputs reach before the record; the
 driver then restores the record, as it restores any. So the tier is required, and a stage is built
-once however many builds or workers want it: the tier's build lease (Runner._claim), and one Dask
+once however many builds or workers want it: the tier's build lease (executors.InProcess.claim), and one Dask
 task per action key.
 
 A worker that dies mid-stage publishes nothing (blobs first, the record last); the scheduler gives

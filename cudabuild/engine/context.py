@@ -53,10 +53,6 @@ class StageContext:
     log: Callable[[str], None] = terminal.note
 
     @property
-    def store(self):
-        return self.runner.store
-
-    @property
     def workers(self) -> int:
         """How many stages this build runs at once (cudabuild.engine.workers)."""
         return self.runner.workers
@@ -102,3 +98,37 @@ class StageContext:
         """Whether the store holds these bytes already (their sha256 and length), so that a file
         this stage writes may leave them out as a hole (Store.put_file's digested regions)."""
         return self.runner.store.holds(sha, length)
+
+    # -- what a stage reads beside its upstream outputs: never the store itself --------------------
+
+    @property
+    def recipe(self):
+        """The recipe's form for this build's target (recipes/<model>.py's RECIPE.for_target),
+        as the build's configuration loads it (cudabuild.config.BuildConfig.recipe; imports torch)."""
+        return self.config.recipe
+
+    def handed_on(self, sha: str) -> Path:
+        """`blob_path` of an upstream output named by its sha256 instead of its name (a weight
+        file of a program loaded from upstream, which a stage hands on unchanged): verified, its
+        producer rebuilt when the blob is bad."""
+        return self.runner.output_path_of_sha(self.stage, sha)
+
+    @property
+    def cache_root(self) -> Path:
+        """The cache's folder: where this machine's caches of a stage's tools (inductor's kernels,
+        C++ objects) and the locks they share live. Not the store's entries: those are read above."""
+        return self.runner.store.root
+
+    @property
+    def shared_tier(self):
+        """The shared tier ($CUDABUILD_REMOTE, a cudabuild.engine.tiers Tier), or None: for a stage's
+        tools that share their own caches there (compiled C++ objects)."""
+        return self.runner.store.remote
+
+    def document(self, name: str) -> Optional[dict]:
+        """A small JSON document of the cache (`tune:<key>`: a compile's tuning decisions), or None."""
+        return self.runner.store.get_json(name)
+
+    def keep_document(self, name: str, value: dict) -> None:
+        """Keep a small JSON document in the cache (and the shared tier, for the kinds it shares)."""
+        self.runner.store.put_json(name, value)

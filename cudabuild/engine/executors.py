@@ -2,21 +2,26 @@
 cluster's worker.
 
 The runner decides (cudabuild.engine.runner: cached -> restorable -> run) and hands a stage that
-must run to its build's executor: `executor.run(runner, stage, decision, span) -> status`.
+must run to its build's executor as a `Job`: what to run and with what, nothing of the runner
+(Bazel's Spawn). `with executor.run(job) as outcome:` runs it and gives its `Outcome`:
+- `Made`: a StageResult made in this process, its files in a work directory until the block ends;
+- `Published`: record K was published elsewhere (by another builder of the key while this one
+  waited, by the cache's warm process, or by a cluster's worker).
+The runner stores or restores that outcome and writes the stamp inside the block, so the
+executor's claim on the key (its lock, its lease) covers the run and the store. The three ways:
 - `InProcess` runs it in this process: under the key's lock (two builds of one cache never build
   one key at once), and with a shared tier under the key's lease there (nor two machines: a
-  builder that finds another's lease waits for its record, then restores it), admitted beside the
-  build's other stages by memory and device (cudabuild.engine.admission), in a fresh work
-  directory with its third-party output in its log; the runner then stores what it made.
+  builder that finds another's lease waits for its record, and says it was published), admitted
+  beside the build's other stages by memory and device (the job's `admitted`), in a fresh work
+  directory with its third-party output in its log.
 - `WarmProcess` hands it to the cache's warm process (cudabuild.warm_stage: a fork or a spare that
-  imported torch already), which runs it `InProcess` there; when none answers, or none can
-  serve, it runs here instead.
+  imported torch already), whose own runner runs it `InProcess` there, stores it in this cache and
+  stamps it in this build/; when none answers, or none can serve, it runs here instead.
 - `ClusterWorker` hands it off to a Dask cluster's worker (cudabuild.engine.cluster), which
-  publishes it to the shared tier; it is restored from there like any record, its stamp saying it
-  ran, where, and how long it took.
+  publishes it to the shared tier, and says where it ran, for how long, and why.
 
-Owns those three ways and what goes with them: the key lock, the lease, the admission, the work
-directory. Must not touch: the decision, restoring, or the store's records (runner.py).
+Owns those three ways and what goes with them: the key lock, the lease, the work directory.
+Must not touch: the decision, restoring, storing, stamps (runner.py); it is handed no runner.
 """
 
 from __future__ import annotations
@@ -29,20 +34,83 @@ import itertools
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, ContextManager, Iterator, Optional, Protocol, Union
 
-from cudabuild.engine import admission, memory, room
+from cudabuild.engine import memory, room
 from cudabuild.engine.admission import WAITS
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
-from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.graph import Stage
 from cudabuild.errors import CacheUnwritable, CudabuildError
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One stage the runner decided must run, with everything an executor needs to run it here or
+    hand it to a process elsewhere."""
+
+    stage: Stage
+    key: str
+    inputs: dict
+    store: object  # the build's Store: its locks folder, and the shared tier the lease is taken on
+    module: str  # the stage function's module (its pipeline row's)
+    context: Callable[[Path], StageContext]  # the stage's context, in a work directory
+    admitted: Callable[[], ContextManager]  # its turn beside the build's other stages (cudabuild.engine.admission)
+    log: Optional[Path]  # where its third-party output goes; None: the console
+    note: Callable[[str], None] = terminal.note  # the build's own lines (a wait for another builder)
+    # For a process elsewhere: the stage's name in messages (model/target:stage), the upstream
+    # stamps it keys on, the driver's toolchain fingerprint and run id, and what it asks of a worker.
+    label: str = ""
+    upstream: dict = dataclasses.field(default_factory=dict)
+    fingerprint: dict = dataclasses.field(default_factory=dict)
+    run_id: str = ""
+    resources: Callable[[], dict] = dict
+    # Whether a record another builder published meanwhile is taken (False: build it regardless,
+    # because the one found could not be restored).
+    look: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """The stage ran in this process: its result, its files still in the work directory."""
+
+    result: StageResult
+    started: float  # time.monotonic() when it started
+    peak_rss: Optional[int]
+    written_bytes: Optional[int] = None  # what its process wrote to storage
+    peak_private: Optional[int] = None  # the private part of its resident peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """Record `key` was published elsewhere; `by` says by whom, in words.
+
+    `status` is what the publisher did for this build: "ran", or another status of its own ("remote":
+    a worker found it built); "" when another builder published it while this one waited (the
+    restore then says restored or remote). `stamped`: the publisher stored it in this cache and
+    wrote its stamp in this build/ (the warm process), so there is nothing to restore.
+    """
+
+    key: str
+    by: str
+    status: str = ""
+    stamped: bool = False
+    seconds: float = 0.0
+    reason: Optional[str] = None
+    peak_rss: Optional[int] = None
+    worker: Optional[dict] = None  # a cluster worker's placement, for the stamp
+    span: dict = dataclasses.field(default_factory=dict)  # what joins the stage's span (the warm server's pid)
+
+
+Outcome = Union[Made, Published]
+
+
 class Executor(Protocol):
-    def run(self, runner, stage: Stage, decision, span: dict) -> str:
-        """Bring a stage the runner decided must run up to date; its status (ran, restored, remote)."""
+    # Whether a stage it runs writes its log in this build/ (so a failure can show its last lines).
+    logs_here: bool
+
+    def run(self, job: Job) -> ContextManager[Outcome]:
+        """Run the job; its outcome for the block, the executor's claim on the key held until it ends."""
 
 
 @contextlib.contextmanager
@@ -59,20 +127,21 @@ def key_lock(store, key: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def run_here(runner, stage: Stage, key: str, inputs: dict, why: Optional[str]) -> None:
-    """The stage function in this process, in a fresh work directory, once admitted; then the
-    runner stores its outputs, record and stamp. The caller holds the key's lock."""
+@contextlib.contextmanager
+def run_here(job: Job) -> Iterator[Made]:
+    """The stage function in this process, in a fresh work directory, once admitted; the work
+    directory stays for the block, while the caller stores what it made."""
     # Beside the cache, on its filesystem: what the stage writes is moved into the cache, not copied.
-    work = runner.store.root / "work"
+    work = job.store.root / "work"
     work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{stage.id}-", dir=work) as tmp:
-        ctx = StageContext(runner.config, stage, inputs, key, Path(tmp), runner, runner.log)
-        with runner.output_of(stage):
+    with tempfile.TemporaryDirectory(prefix=f"{job.stage.id}-", dir=work) as tmp:
+        ctx = job.context(Path(tmp))
+        with terminal.capture(job.log) if job.log is not None else contextlib.nullcontext():
             # The stage's module, and what it imports at its top, loads before the stage waits
             # for its turn (a worker's wait is spent importing), and prints into its log.
             with trace.phase("import", min_seconds=0.05):
-                module = importlib.import_module(runner.pipeline.row(stage).module)
-            with admission.admitted(runner, stage, inputs):
+                module = importlib.import_module(job.module)
+            with job.admitted():
                 start = time.monotonic()
                 with trace.phase("run"), memory.PeakSampler() as sampled, memory.WrittenBytes() as written:
                     try:
@@ -81,58 +150,59 @@ def run_here(runner, stage: Stage, key: str, inputs: dict, why: Optional[str]) -
                         # A full disk says so the same way in every stage (inductor's own error wraps it).
                         full = room.disk_full(e)
                         if full is not None and not isinstance(e, (room.DiskFull, CacheUnwritable)):
-                            raise room.full_disk_error(stage.id, full, runner.store.root) from e
+                            raise room.full_disk_error(job.stage.id, full, job.store.root) from e
                         raise
                 # What the stage left behind is collected now, before the next stage (here, or
                 # let in beside) adds its own: after a stage that held much more than it started
                 # with (where /proc cannot say, always).
                 memory.collect_if_worth(sampled.grown())
-        runner.store_result(stage, key, inputs, result, started=start, why=why, peak_rss=sampled.peak,
-                            written_bytes=written.bytes, peak_private=sampled.peak_private)
+        yield Made(result, start, sampled.peak, written.bytes, sampled.peak_private)
 
 
 class InProcess:
     """Here: the key's lock, then the key's lease on the shared tier, then the stage."""
 
-    def run(self, runner, stage: Stage, decision, span: dict) -> str:
-        key, inputs, old = decision.key, decision.inputs, decision.old
-        with key_lock(runner.store, key):
+    logs_here = True
+
+    @contextlib.contextmanager
+    def run(self, job: Job) -> Iterator[Outcome]:
+        with key_lock(job.store, job.key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
-            status, lease = self.claim(runner, stage, key, inputs)
-            if status:
-                return status
-            why = explain_reason(old.inputs if old else None, inputs, runner.pipeline)
-            with lease:
-                run_here(runner, stage, key, inputs, why)
-        return "ran"
+            lease = self.claim(job)
+            if lease is None:
+                yield Published(job.key, "another builder")
+                return
+            with lease, run_here(job) as made:
+                yield made
 
     @staticmethod
-    def claim(runner, stage: Stage, key: str, inputs: dict):
-        """(status, None) when the key can be restored now, else (None, a lease to build under).
+    def claim(job: Job):
+        """None when the key's record is there now, else a lease to build under.
 
         Without a shared tier the lease is a no-op. With one, it is the key's build lease there
         (build-once across machines): while another builder holds it, wait until its record
-        appears or the lease goes (released, or lapsed because the holder died), then restore or
-        take the lease over. After $CUDABUILD_REMOTE_WAIT_SECONDS of waiting, build anyway.
+        appears or the lease goes (released, or lapsed because the holder died), then take the
+        record or the lease. After $CUDABUILD_REMOTE_WAIT_SECONDS of waiting, build anyway.
         """
-        remote = runner.store.remote
+        store, key = job.store, job.key
+        remote = store.remote
         deadline = time.monotonic() + (remote.wait_seconds if remote is not None else 0.0)
         for polls in itertools.count():
             lease = remote.try_lease(key) if remote is not None else None
-            # Restore after claiming: the holder may have published and let go since our last look.
-            record, tier = runner.store.find_record(key)
-            if record is not None and (status := runner.restore(stage, key, inputs, record, tier)):
+            # Look after claiming: the holder may have published and let go since our last look.
+            # Only look: taking the record (and saying which tier it came from) is the runner's.
+            if job.look and store.locate_record(key)[0] is not None:
                 if lease is not None:
                     lease.release()
-                return status, None
-            if lease is not None or remote is None:
-                return None, lease or contextlib.nullcontext()
+                return None
+            if lease is not None or remote is None or not job.look:
+                return lease or contextlib.nullcontext()
             if time.monotonic() >= deadline:
-                runner.log(f"{stage.id}: gave up waiting for another builder of {key[:12]}; building it here")
-                return None, contextlib.nullcontext()
+                job.note(f"{job.stage.id}: gave up waiting for another builder of {key[:12]}; building it here")
+                return contextlib.nullcontext()
             if not polls:
-                runner.log(f"{stage.id}: another builder is building {key[:12]}; waiting for its result")
+                job.note(f"{job.stage.id}: another builder is building {key[:12]}; waiting for its result")
             with trace.wait(WAITS["lease"], key=key[:12]):
                 remote.wait_for_result(key, deadline)
 
@@ -143,33 +213,39 @@ class WarmProcess:
     gives back its outcome; `here` runs what it cannot serve."""
 
     call: Optional[Callable[[Stage], dict]]
-    here: Executor = dataclasses.field(default_factory=InProcess)
+    here: InProcess = dataclasses.field(default_factory=InProcess)
+    logs_here = True
 
-    def run(self, runner, stage: Stage, decision, span: dict) -> str:
+    @contextlib.contextmanager
+    def run(self, job: Job) -> Iterator[Outcome]:
         """Its server's pid goes in the stage's span. Here instead when none answers and this build
         starts none (later stages ask again), or none could serve (later stages run here too)."""
         from cudabuild.engine.warm import WarmNotRunning, WarmUnavailable
 
-        if self.call is None:
-            return self.here.run(runner, stage, decision, span)
-        asked = trace.now_us()
-        try:
-            outcome = self.call(stage)
-        except WarmNotRunning:  # none up, and this build does not start one: run here, no warning
-            return self.here.run(runner, stage, decision, span)
-        except WarmUnavailable as e:
-            # The time spent waiting for one that did not come is named (a served call's own wait
-            # is recorded by the process that took it, from when it was asked: warm_stage).
-            runner.recorder.complete(WAITS["warm"], asked, trace.now_us(), "wait", served=False)
-            terminal.warn(f"{e}; stages run in the build's own processes")
-            self.call = None
-            return self.here.run(runner, stage, decision, span)
-        runner.logs[stage.id] = runner.log_path(stage)
-        span["warm"] = outcome.get("server")
-        runner.recorder.adopt(outcome.get("events") or [])
+        outcome = None
+        if self.call is not None:
+            asked = trace.now_us()
+            try:
+                outcome = self.call(job.stage)
+            except WarmNotRunning:  # none up, and this build does not start one: run here, no warning
+                pass
+            except WarmUnavailable as e:
+                # The time spent waiting for one that did not come is named (a served call's own
+                # wait is recorded by the process that took it, from when it was asked: warm_stage).
+                if (recorder := trace.recording()) is not None:
+                    recorder.complete(WAITS["warm"], asked, trace.now_us(), "wait", served=False)
+                terminal.warn(f"{e}; stages run in the build's own processes")
+                self.call = None
+        if outcome is None:
+            with self.here.run(job) as here:
+                yield here
+            return
+        if (recorder := trace.recording()) is not None:
+            recorder.adopt(outcome.get("events") or [])
         if outcome.get("error") is not None:
             raise outcome["error"]
-        return outcome["status"]
+        yield Published(job.key, f"the warm process ({outcome.get('server')})", status=outcome["status"], stamped=True,
+                        span={"warm": outcome.get("server")})
 
 
 @dataclasses.dataclass
@@ -179,35 +255,25 @@ class ClusterWorker:
     Pool.hand_off)."""
 
     hand_off: Callable[[str, dict, dict], dict]
+    logs_here = False  # the worker's log is its own; a failure's last lines come back in its error
 
-    def run(self, runner, stage: Stage, decision, span: dict) -> str:
-        """Restore what the worker published: `ran` when it built the stage, `remote` when it found
-        it built already. The stamp says where it ran, for how long, and why."""
-        key, inputs = decision.key, decision.inputs
-        upstream = {d.id: dataclasses.asdict(runner.require_stamp(d)) for d in runner.pipeline.dependencies(stage, runner.config)}
-        work = {"stage": [stage.kind, stage.method], "key": key, "inputs": inputs, "upstream": upstream,
-                "fingerprint": runner.fingerprint(), "run": runner.run_id}
-        label = f"{runner.config.model}/{runner.config.target}:{stage.id}"
-        outcome = self.hand_off(label, work, admission.resources(runner, stage, inputs))
+    @contextlib.contextmanager
+    def run(self, job: Job) -> Iterator[Outcome]:
+        """What the worker published: `ran` when it built the stage, `remote` when it found it
+        built already; where it ran, for how long, and why."""
+        work = {"stage": [job.stage.kind, job.stage.method], "key": job.key, "inputs": job.inputs,
+                "upstream": job.upstream, "fingerprint": job.fingerprint, "run": job.run_id}
+        outcome = self.hand_off(job.label, work, job.resources())
         worker = outcome.get("worker") or {}
         on = f"{worker.get('host')}:{worker.get('pid')}"
-        if outcome.get("events"):
+        if outcome.get("events") and (recorder := trace.recording()) is not None:
             gpu = f", GPU {worker['gpu']}" if worker.get("gpu") not in (None, "") else ""
-            runner.recorder.add_process(outcome["events"], f"worker {worker.get('name')} ({on}{gpu})",
-                                        str(worker.get("host")), int(worker.get("pid") or 0))
+            recorder.add_process(outcome["events"], f"worker {worker.get('name')} ({on}{gpu})",
+                                 str(worker.get("host")), int(worker.get("pid") or 0))
         if outcome.get("status") == "failed":
             raise CudabuildError(f"on worker {worker.get('name')} ({on}): {outcome['error']}")
-        record, tier = runner.store.find_record(key)
-        where = runner.store.remote.where if runner.store.remote is not None else "none"
-        if record is None or not runner.restore(stage, key, inputs, record, tier):
-            raise CudabuildError(f"stage {stage.id} {outcome.get('status')} on worker {worker.get('name')} ({on}), "
-                                 f"but its record {key[:12]} is not in the shared tier {where}: start the workers "
-                                 "with the driver's CUDABUILD_REMOTE")
-        status = "ran" if outcome.get("status") == "ran" else "remote"
-        restored = runner.require_stamp(stage)
-        runner.write_stamp(stage, restored.replace(
-            status=status, seconds=float(outcome.get("seconds") or 0.0) if status == "ran" else 0.0,
-            reason=outcome.get("reason") if status == "ran" else None,
-            peak_rss=outcome.get("peak_rss") if status == "ran" else None,
-            saved_seconds=None if status == "ran" else restored.saved_seconds, worker=worker or None))
-        return status
+        ran = outcome.get("status") == "ran"
+        yield Published(job.key, f"on worker {worker.get('name')} ({on})", status="ran" if ran else "remote",
+                        seconds=float(outcome.get("seconds") or 0.0) if ran else 0.0,
+                        reason=outcome.get("reason") if ran else None,
+                        peak_rss=outcome.get("peak_rss") if ran else None, worker=worker or None)

@@ -13,28 +13,33 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
    cudabuild.engine.tiers). Intermediate artifacts stay in the store until a stage that runs needs
    them; big ones are then mapped from it, not read (output_path).
 3. `run`: the build's executor runs it (cudabuild.engine.executors: here, in a warm process, or on
-   a cluster's worker, with the key's lock, the lease and the admission that go with each);
-   `store_result` puts its outputs into the store, then the record, then the stamp, and writes
-   it back to the shared tier. An output that was needed but turns out corrupt or missing makes
-   its producer run again, never served.
+   a cluster's worker, with the key's lock, the lease and the admission that go with each) and
+   gives its outcome, which is settled here while the executor's claim on the key holds: a result
+   made here is stored (`store_result`: its outputs into the store, then the record, then the
+   stamp, then written back to the shared tier); a record published elsewhere is restored, its
+   stamp saying who ran it, where and for how long. An output that was needed but turns out
+   corrupt or missing makes its producer run again, through the same executor (`_rebuild`, what
+   Bazel calls rewinding), never served.
 
-Owns the decision, restoring, storing and serving upstream outputs to a stage. Must not touch: how
-a stage runs (executors.py), the manifest (manifest.py), the cache's size (cache_admin.py, once a
-build ends).
+Owns the decision, restoring, storing, stamps and serving upstream outputs to a stage. Must not
+touch: how a stage runs (executors.py), the manifest (manifest.py), the cache's size
+(cache_admin.py, once a build ends).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import executors
+from cudabuild.engine import admission, executors
 from cudabuild.engine.console import terminal, trace
-from cudabuild.engine.context import StageResult
+from cudabuild.engine.context import StageContext, StageResult
+from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
 from cudabuild.engine.files import move_or_copy
 from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage, pending_in
@@ -181,13 +186,6 @@ class Runner:
     def log_path(self, stage: Stage) -> Path:
         return self.config.build_dir / "logs" / f"{stage.id}.log"
 
-    def output_of(self, stage: Stage):
-        """Where the stage's third-party output goes while it runs: its log, or the console."""
-        if not self.capture_output:
-            return contextlib.nullcontext()
-        self.logs[stage.id] = self.log_path(stage)
-        return terminal.capture(self.logs[stage.id])
-
     # -- execution -----------------------------------------------------------------------------
 
     def execute(self, stage: Stage) -> str:
@@ -206,7 +204,62 @@ class Runner:
             status = self.restore(stage, decision.key, decision.inputs, decision.record, decision.tier)
             if status:
                 return self._note(stage, status)
-        return self._note(stage, self.executor.run(self, stage, decision, span))
+        why = explain_reason(decision.old.inputs if decision.old else None, decision.inputs, self.pipeline)
+        return self._note(stage, self._run(self._job(stage, decision.key, decision.inputs), why, span))
+
+    def _job(self, stage: Stage, key: str, inputs: dict, nested: bool = False) -> executors.Job:
+        """The stage as the executor gets it. `nested`: run inside another stage's run (a producer
+        rebuilt for its consumer), whose admission it runs under: asking again could wait on itself."""
+        upstream = {d.id: dataclasses.asdict(stamp) for d in self.pipeline.dependencies(stage, self.config)
+                    if (stamp := self.read_stamp(d)) is not None}
+        return executors.Job(
+            stage, key, inputs, self.store, self.pipeline.row(stage).module,
+            context=lambda workdir: StageContext(self.config, stage, inputs, key, workdir, self, self.log),
+            admitted=contextlib.nullcontext if nested else lambda: admission.admitted(self, stage, inputs),
+            log=self.log_path(stage) if self.capture_output else None, note=self.log,
+            label=f"{self.config.model}/{self.config.target}:{stage.id}", upstream=upstream,
+            fingerprint=self.fingerprint(), run_id=self.run_id,
+            resources=lambda: admission.resources(self, stage, inputs))
+
+    def _run(self, job: executors.Job, why: Optional[str], span: dict) -> str:
+        """The job run by the build's executor, and its outcome settled (stored, or restored, and
+        stamped) while the executor's claim on the key holds."""
+        if job.log is not None and self.executor.logs_here:
+            self.logs[job.stage.id] = job.log
+        with self.executor.run(job) as outcome:
+            status = self._settle(job, outcome, why, span)
+        if status is None:  # another builder's record could not be restored (and was dropped): build it
+            return self._run(dataclasses.replace(job, look=False), why, span)
+        return status
+
+    def _settle(self, job: executors.Job, outcome: executors.Outcome, why: Optional[str], span: dict) -> Optional[str]:
+        """Store what was made here; restore what was published elsewhere (None when that cannot
+        be done for a record another builder published, which is then built here)."""
+        stage = job.stage
+        if isinstance(outcome, executors.Made):
+            self.store_result(stage, job.key, job.inputs, outcome.result, started=outcome.started, why=why,
+                              peak_rss=outcome.peak_rss, written_bytes=outcome.written_bytes,
+                              peak_private=outcome.peak_private)
+            return "ran"
+        span.update(outcome.span)
+        if outcome.stamped:
+            return outcome.status
+        record, tier = self.store.find_record(outcome.key)
+        status = self.restore(stage, job.key, job.inputs, record, tier) if record is not None else None
+        if status is None and outcome.status:
+            where = self.store.remote.where if self.store.remote is not None else "none"
+            raise CudabuildError(f"stage {stage.id} {outcome.status} {outcome.by}, but its record {job.key[:12]} is not in "
+                                 f"the shared tier {where}: start the workers with the driver's CUDABUILD_REMOTE")
+        if status is None or not outcome.status:
+            return status
+        # Run (or found built) for this build elsewhere: the stamp says where, for how long and why.
+        restored = self.require_stamp(stage)
+        ran = outcome.status == "ran"
+        self.write_stamp(stage, restored.replace(
+            status=outcome.status, seconds=outcome.seconds if ran else 0.0, reason=outcome.reason if ran else None,
+            peak_rss=outcome.peak_rss if ran else None, saved_seconds=None if ran else restored.saved_seconds,
+            worker=outcome.worker))
+        return outcome.status
 
     def execute_here(self, stage: Stage) -> str:
         """execute() without a stage span of its own: for a process that runs a stage for another,
@@ -280,9 +333,14 @@ class Runner:
         return sha
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
+        """Outputs handed on from upstream unchanged: blobs this cache holds, or the shared tier
+        does (on a cluster's worker whose upstream stage ran on another worker, the blob is there
+        only; Store.push then leaves it where it is)."""
         missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
-        if missing:
-            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in the cache")
+        remote = self.store.remote
+        if missing and not (remote is not None and remote.has_blobs([stored[name] for name in missing])):
+            where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
+            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in {where}")
         return dict(stored)
 
     # -- reading upstream outputs ----------------------------------------------------------------
@@ -295,16 +353,19 @@ class Runner:
             raise CudabuildError(f"stage {stage.id} has no output named {name}") from None
 
     def _rebuild(self, stage: Stage) -> None:
-        """Run a producer again because an output it recorded can no longer be served."""
+        """Bring a producer up to date again, through the build's executor, because an output it
+        recorded can no longer be served here. Its record and stamp go first, so whoever runs it
+        decides afresh: it runs, or its record is taken from the shared tier, whose copy of the
+        output is fetched and checked again on the next read."""
         stamp = self.read_stamp(stage)
         if stamp:
             self.store.drop_record(stamp.key)
+        self.stamp_path(stage).unlink(missing_ok=True)
         inputs = self.inputs(stage)
         key = digest(inputs)
         self.log(f"{stage.id}: a cached output was missing or corrupt; running it again")
-        with executors.key_lock(self.store, key):
-            executors.run_here(self, stage, key, inputs, "a cached output was missing or corrupt")
-        self.statuses[stage.id] = "ran"
+        status = self._run(self._job(stage, key, inputs, nested=True), "a cached output was missing or corrupt", {})
+        self.statuses[stage.id] = status
 
     def _serve(self, stage: Stage, name: str, take: Callable[[str], object]):
         """`take(sha)` of an upstream output; when the blob is corrupt or gone, its producer runs
@@ -324,6 +385,15 @@ class Runner:
 
     def output_path(self, stage: Stage, name: str) -> Path:
         return self._serve(stage, name, self.store.verified_path)
+
+    def output_path_of_sha(self, consumer: Stage, sha: str) -> Path:
+        """output_path of the output with this sha256 among those of `consumer`'s upstream stages."""
+        for upstream in self.pipeline.dependencies(consumer, self.config):
+            stamp = self.read_stamp(upstream)
+            name = next((n for n, s in sorted(stamp.outputs.items()) if s == sha), None) if stamp else None
+            if name is not None:
+                return self.output_path(upstream, name)
+        raise CudabuildError(f"stage {consumer.id} reads blob {sha[:12]}, which none of the stages it depends on made")
 
     @contextlib.contextmanager
     def output_file(self, stage: Stage, name: str):

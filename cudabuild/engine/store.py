@@ -463,6 +463,8 @@ class Store:
         if tier is None or not tier.writable:
             return False
         for sha in sorted(set(record.get("outputs", {}).values())):
+            if not self.has_blob(sha) and tier.has_blobs([sha]):
+                continue  # handed on unchanged from a stage that ran on another machine: the tier has it
             try:
                 with self._open_blob(sha) as handle:
                     if not tier.put_blob(sha, handle):

@@ -24,7 +24,6 @@ from typing import Any, Mapping
 
 import torch
 
-from cudabuild.backend import custom_ops
 from cudabuild.errors import InvalidConfig, InvalidOption, compose
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
@@ -55,10 +54,12 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
     fields ExecuTorch's model reads)."""
     out = dict(options)
     problems = []
+    # `layers` is >= 0 by the option table; here only what the table cannot know is checked: that
+    # the weights' source (a size, a checkpoint) has that many.
+    layers, source, depth = int(options["layers"]), "", None
     if options.get("checkpoint") and options.get("prequantized"):
         problems.append(compose("qwen_moe options checkpoint= and prequantized= exclude each other",
                                 "a bundle is already the quantized checkpoint"))
-    layers = int(options["layers"])
     if options.get("prequantized"):
         fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != defaults[name]]
         if fixed:
@@ -75,22 +76,21 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
     if options.get("dense_prefill") == "dequant" and options.get("qlinear") != "4w":
         problems.append(compose(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
                                 f"not qlinear={options['qlinear']}"))
-    if layers < 0:
-        problems.append(compose(f"qwen_moe option layers={layers}", expected="an integer >= 0 (0: every layer)"))
     max_seq_len = int(options["max_seq_len"])
     if options.get("checkpoint"):
         fields, found = checkpoint_fields.check_checkpoint(options["checkpoint"], layers)
         problems += found
+        source, depth = "the checkpoint", fields.get("num_hidden_layers")
         limit = fields.get("max_position_embeddings")
         if limit and max_seq_len > limit:
             problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
                                     f"the checkpoint's max_position_embeddings is {limit}"))
         max_seq_len = max_seq_len or min(limit or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
     elif not options.get("prequantized"):
-        size_layers = quant.SIZES[options["size"]].get("num_hidden_layers", DEFAULT_LAYERS)
-        if layers > size_layers:
-            problems.append(compose(f"qwen_moe option layers={layers}", f"the size {options['size']} has {size_layers}"))
+        source, depth = f"the size {options['size']}", quant.SIZES[options["size"]].get("num_hidden_layers", DEFAULT_LAYERS)
         max_seq_len = max_seq_len or quant.SIZES[options["size"]].get("max_seq_len", 0)
+    if depth is not None and layers > depth:
+        problems.append(compose(f"qwen_moe option layers={layers}", f"{source} has {depth}"))
     max_seq_len = max_seq_len or DEFAULT_MAX_SEQ_LEN
     if max_seq_len < MIN_SEQ_LEN:
         problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
@@ -156,8 +156,9 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     """The eager model from the quantize stage's output (`folder`: its files by name), built on the
     meta device and given the bundle's tensors with `assign` (ExecuTorch's load_prequantized_model),
     its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
-    the dequant prefill (on the GPU, as the stock exporter does)."""
-    custom_ops.register("cuda")  # the Triton ops the forward calls, with the fixes they need
+    the dequant prefill (on the GPU, as the stock exporter does). Its forward calls ExecuTorch's
+    Triton ops: the caller registers them first (cudabuild.backend.custom_ops.register("cuda"), as
+    the export and reference stages do), so a model imports nothing of the backend."""
     from executorch.examples.models.qwen3_5_moe.export import (
         _materialize_buffers, _replace_dense_with_w4dequant, load_prequantized_model,
     )

@@ -34,16 +34,13 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+# The plain forms of ExecuTorch's int4 packing and delta rule, and the model's per-session state
+# buffers, are the CPU form's (one definition, whichever form a fix is for).
+from cudabuild.models.qwen35_moe_plain import STATES, delta_rule_step, dequantize_int4
+
 # The envelope's runs with noise on the router scores, and the noise (relative; one bf16 ulp is 2^-8).
 NOISY_RUNS = 3
 ROUTER_NOISE = 2.0 ** -9
-
-
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """ExecuTorch's packed int4 ([.., N, K/2] int8, low nibble first, a scale per group of K) as fp32."""
-    p = packed.to(torch.int16) & 0xFF
-    values = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).flatten(-2).float() - 8
-    return values * scale.float().repeat_interleave(group, dim=-1)
 
 
 def plain_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, top_k, num_experts, group):
@@ -60,20 +57,12 @@ def plain_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, top_k, num_experts, g
     return out.to(x.dtype)
 
 
-def _delta_step(q, k, v, g, beta, state):
-    """One token of the gated delta rule: q, k [B, H, K]; v [B, H, V]; g (log decay), beta [B, H]."""
-    state = state * g.exp()[..., None, None]
-    recalled = (state * k[..., None]).sum(-2)
-    state = state + k[..., None] * ((v - recalled) * beta[..., None])[..., None, :]
-    return (state * q[..., None]).sum(-2), state
-
-
 def plain_chunk_delta_rule(q, k, v, g, beta, initial_state):
     """chunk_gated_delta_rule: the recurrence token by token in fp32 (q, k come L2-normalised)."""
     scale = q.shape[-1] ** -0.5
     state, outs = initial_state.float(), []
     for t in range(q.shape[1]):
-        o, state = _delta_step(q[:, t].float() * scale, k[:, t].float(), v[:, t].float(), g[:, t].float(),
+        o, state = delta_rule_step(q[:, t].float() * scale, k[:, t].float(), v[:, t].float(), g[:, t].float(),
                                beta[:, t].float(), state)
         outs.append(o)
     return torch.stack(outs, dim=1).to(v.dtype), state.to(initial_state.dtype)
@@ -90,7 +79,7 @@ def plain_deltanet_decode(qkv, alpha, beta_raw, A_log, dt_bias, state):
     k = F.normalize(x[:, key_dim:2 * key_dim].reshape(B, -1, K), dim=-1, eps=1e-6).repeat_interleave(rep, dim=1)
     v = x[:, 2 * key_dim:].reshape(B, H, V)
     g = -A_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
-    o, new = _delta_step(q * K ** -0.5, k, v, g, beta_raw.float().sigmoid(), state.float())
+    o, new = delta_rule_step(q * K ** -0.5, k, v, g, beta_raw.float().sigmoid(), state.float())
     return o.to(state.dtype), new.to(state.dtype)
 
 
@@ -150,9 +139,6 @@ def to_fp32(model) -> None:
                 continue
             if t.dtype.is_floating_point and t.dtype != torch.float32 and not name.endswith("_scale"):
                 t.data = t.data.float()
-
-
-STATES = ("conv_state", "recurrent_state", "k_cache", "v_cache")
 
 
 def _reset(model) -> None:

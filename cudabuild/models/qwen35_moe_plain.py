@@ -54,11 +54,18 @@ from torch import Tensor
 
 from cudabuild.models import qwen35_moe_quantize as weights
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
-from cudabuild.models.qwen35_moe_fp32 import dequantize_int4
 
 # The weights' dtype of each size on the CPU (a checkpoint's is its config.json's).
 DTYPES = {"tiny": torch.float32, "35b-a3b": torch.bfloat16}
+# The model's per-session state: what a new sequence starts from zero (and the fp32 truth compares).
 STATES = ("conv_state", "recurrent_state", "k_cache", "v_cache")
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """ExecuTorch's packed int4 ([.., N, K/2] int8, low nibble first, a scale per group of K) as fp32."""
+    p = packed.to(torch.int16) & 0xFF
+    values = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).flatten(-2).float() - 8
+    return values * scale.float().repeat_interleave(group, dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------

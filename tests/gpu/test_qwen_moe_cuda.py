@@ -47,10 +47,12 @@ def _bundle_model(project):
     """ExecuTorch's model, eager on the GPU, from the quantize stage's bundle in the project's cache."""
     import tempfile
 
+    from cudabuild.backend import custom_ops
     from cudabuild.engine.store import Store
     from cudabuild.models import qwen35_moe
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
 
+    custom_ops.register("cuda")  # the Triton ops the model's forward calls, with their fixes
     manifest = project.manifest("qwen_moe", "cuda")
     stamp = json.loads((project.root / "build/qwen_moe/cuda/.stamps/quantize.json").read_text())
     folder = Path(tempfile.mkdtemp(prefix="bundle-"))

@@ -124,7 +124,7 @@ def _compiled(ctx, why: str, lower_again: bool) -> StageResult:
         # Through the store's form, as the compile stage gets its edge program: what inductor names
         # and orders follows the deserialised graph, so only that gives the compile stage's bytes.
         saved = save_program(lowered, ctx.workdir / "edge", mapped)
-        read = lambda name: saved.files[name] if name in saved.files else ctx.store.verified_path(saved.reused[name])
+        read = lambda name: saved.files[name] if name in saved.files else ctx.handed_on(saved.reused[name])
         return load_program(read, mapped)
 
     result = compile_stage.compile_program(ctx, load, key=compiled.key, graph=compiled.inputs["graph"],

@@ -230,7 +230,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blo
     low_memory = specs.get("low_memory_mode") == "ON"
     device = _device_of(target)
     cache_dir = inductor_dir_for(key)
-    environment = compile_environment(target, toolchain, cache_dir, ctx.store.root)
+    environment = compile_environment(target, toolchain, cache_dir, ctx.cache_root)
     if device == "cuda":  # its workers come up while the program loads and lowers
         with phase("start compile workers", min_seconds=0.05), scoped_environ(environment):
             inductor_phases.start_compile_workers()
@@ -248,13 +248,13 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blo
     device_peak.start(device)  # this method's compile's peak device memory
     options = with_custom_shims(aoti_options(specs, target, toolchain))
     # Another compile may share the GPU (cudabuild.engine.workers): kernels are timed one at a time.
-    timing_lock = workers.timing_lock(ctx.store.root / "locks", device) if device == "cuda" else None
+    timing_lock = workers.timing_lock(ctx.cache_root / "locks", device) if device == "cuda" else None
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
-                       mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.store.root,
-                       tier=ctx.store.remote) as (ep, fallbacks, probes, objects):
+                       mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.cache_root,
+                       tier=ctx.shared_tier) as (ep, fallbacks, probes, objects):
         with phase("AOTInductor") as span, aoti_constants.captured_table() as table, \
                 aoti_constants.held_blob(hold=not keep_blob) as held:
-            kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.store.root)
+            kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.cache_root)
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
             except Exception as e:
@@ -262,7 +262,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blo
                 traceback.print_exc(file=sys.stderr)
                 raise CompileFailed(f"method {method}: AOTInductor compile failed: {one_line(e)}") from e
             span.update(inductor_phases.since(kernels_before), **inductor_phases.compile_parallelism(),
-                        triton_kernels_compiled=len(kernel_cache.entries(ctx.store.root) - entries_before),
+                        triton_kernels_compiled=len(kernel_cache.entries(ctx.cache_root) - entries_before),
                         cpp_objects_cached=objects.cached + objects.fetched, cpp_objects_compiled=objects.compiled)
         if target == "cuda":
             check_cuda_fallbacks(method, fallbacks, autotuned=times_kernels(specs, target))
@@ -287,7 +287,7 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blo
     files["constants.json"] = _write_json(ctx.workdir / "constants.json", dict(table))
     decisions = tuning.harvest(cache_dir)
     if decisions and source != "pinned":
-        ctx.store.put_json(f"tune:{tuning_key}", {"files": decisions})
+        ctx.keep_document(f"tune:{tuning_key}", {"files": decisions})
     if not os.environ.get("CUDABUILD_KEEP_INDUCTOR"):
         shutil.rmtree(cache_dir, ignore_errors=True)
     files["autotune.json"] = _write_json(ctx.workdir / "autotune.json", {"tuning_key": tuning_key, "source": source, "files": decisions})
@@ -320,7 +320,7 @@ def _restore_tuning(ctx, cache_dir: Path, toolchain: dict, specs: dict, graph: s
     if entry:
         tuning.restore(cache_dir, entry["files"])
         return key, "pinned"
-    stored = ctx.store.get_json(f"tune:{key}")
+    stored = ctx.document(f"tune:{key}")
     if stored and stored.get("files"):
         tuning.restore(cache_dir, stored["files"])
         return key, "replayed"

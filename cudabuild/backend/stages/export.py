@@ -10,9 +10,9 @@ import json
 # wait on this import (7 s) instead of its turn.
 import executorch.exir.serde.serialize  # noqa: F401
 
-from cudabuild import registry
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import canonical_json
+from cudabuild.backend import custom_ops
 from cudabuild.backend.programs import StoredWeights
 from cudabuild.backend.stages.program_result import program_result
 from cudabuild.engine.context import StageResult
@@ -41,7 +41,8 @@ def build_model(ctx):
     key = (config.model, config.target, canonical_json(dict(config.options)), weights)
     if key not in _MODELS:
         _MODELS.clear()  # before building: the old and the new model need not fit together
-        recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
+        recipe = ctx.recipe
+        custom_ops.register(config.target)  # the ops the model's forward calls (ExecuTorch's Triton ops on cuda)
         try:
             if recipe.quantize is not None:
                 model = recipe.quantize.load(dict(config.options), quantized_folder(ctx))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cudabuild import registry
 from cudabuild.backend import device_peak
 from cudabuild.backend.stages.export import release_model
 from cudabuild.engine.context import StageResult
@@ -23,7 +22,7 @@ def run(ctx) -> StageResult:
     import torch
 
     config = ctx.config
-    recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
+    recipe = ctx.recipe
     device = "cuda" if config.target == "cuda" and recipe.quantize.on_device else "cpu"
     release_model()
     device_peak.start(device)

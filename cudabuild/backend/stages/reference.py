@@ -53,7 +53,7 @@ def compute(ctx, device: str) -> dict:
         ep = load_program(ctx.reader("export", method))  # weights mapped from the store
     sampler = sampler_of(ctx)
     # The eager program's Triton ops compile their kernels on first use: from the shared cache.
-    with phase("eager"), scoped_environ(kernel_cache.environment(ctx.store.root)):
+    with phase("eager"), scoped_environ(kernel_cache.environment(ctx.cache_root)):
         steps = None
         if sampler:
             steps = torch.load(ctx.blob_path("export", method, "verify_steps.pt"), weights_only=True)
@@ -78,17 +78,16 @@ def compute(ctx, device: str) -> dict:
 
 def _truth(ctx, device: str, steps: list, result: dict) -> dict | None:
     """The recipe's fp32 truth of these steps (cudabuild.recipe.Quantize.truth), or None."""
-    from cudabuild import registry
     from cudabuild.backend.stages.export import quantized_folder
 
     config = ctx.config
-    recipe = registry.load_recipe(config.project, config.model).for_target(config.target)
+    recipe = ctx.recipe
     if recipe.quantize is None or recipe.quantize.truth is None:
         return None
     method = next(m for m in recipe.methods if m.name == ctx.stage.method)
     eager = {"tokens": [int(token.reshape(-1)[0]) for token, _ in result["steps"]],
              "logits": [logits for _, logits in result["steps"]], "states": result["states"]}
-    with phase("truth"), scoped_environ(kernel_cache.environment(ctx.store.root)):
+    with phase("truth"), scoped_environ(kernel_cache.environment(ctx.cache_root)):
         return recipe.quantize.truth(dict(config.options), quantized_folder(ctx), method.prepare or (lambda m, o: None),
                                      steps, device, eager)
 

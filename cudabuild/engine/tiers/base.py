@@ -294,7 +294,7 @@ class Tier(abc.ABC):
     """One shared tier behind the local store: records, blobs and build leases on one server.
 
     The store reads through it and writes back to it (cudabuild.engine.store), the runner leases
-    keys on it (Runner._claim), `cache stats`, `cache gc --remote` and nightly.json inspect it. A
+    keys on it (executors.InProcess.claim), `cache stats`, `cache gc --remote` and nightly.json inspect it. A
     call that cannot reach the server returns what a miss returns (None, False, NoLease), after one
     warning; no call raises for the server's sake. `where` names it in messages, without a password.
     """
