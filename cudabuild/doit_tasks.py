@@ -29,7 +29,7 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cache_admin, cluster, executors, history, interrupt, nightly, warm, workers
+from cudabuild.engine import cache_admin, cluster, executors, frames, history, interrupt, nightly, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
@@ -199,7 +199,7 @@ def with_warm(runner: Runner, settings: dict[str, str]) -> Runner:
 def _stage_action(runner: Runner, stage):
     def action():
         try:
-            runner.execute(stage)
+            frames.on_fresh_chunk(runner.execute, stage)  # the same frame layout in doit's process and its workers
         except CudabuildError as e:  # one line, then where the stage's own output went
             # No manifest follows a failure: the timeline up to it is written now.
             runner.recorder.merge(trace.process_start_us(), trace.now_us(), failed=stage.id)
