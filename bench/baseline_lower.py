@@ -106,4 +106,11 @@ def main(model_name: str, target: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a recipe of recipes/")
+    parser.add_argument("target", choices=("cpu", "cuda"))
+    parser.add_argument("out", help="where model.pte and the .ptd go")
+    args = parser.parse_args()
+    main(args.model, args.target, args.out)
