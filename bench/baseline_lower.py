@@ -26,6 +26,7 @@ def cpu_backend():
     from torch._inductor.decomposition import conv1d_to_conv2d
 
     from cudabuild.backend.aoti_options import aoti_options
+    from cudabuild.specs import SPEC_TABLE
 
     class EveryKernel(dict):
         def __contains__(self, key):  # CPU fallbacks resolve in libtorch: none is missing
@@ -46,7 +47,9 @@ def cpu_backend():
 
         @classmethod
         def get_aoti_compile_options(cls, compile_specs):
-            specs = {s.key: s.value.decode() for s in compile_specs}
+            # ExecuTorch hands every compile spec, `method_name` among them; the options come
+            # from the specs of cudabuild's table alone, as its compile stage takes them.
+            specs = {s.key: s.value.decode() for s in compile_specs if s.key in SPEC_TABLE}
             return aoti_options(specs, "cpu", {})
 
         @classmethod
@@ -103,4 +106,11 @@ def main(model_name: str, target: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a recipe of recipes/")
+    parser.add_argument("target", choices=("cpu", "cuda"))
+    parser.add_argument("out", help="where model.pte and the .ptd go")
+    args = parser.parse_args()
+    main(args.model, args.target, args.out)

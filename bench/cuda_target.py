@@ -52,32 +52,21 @@ ran (OUT/logs-<case>/) come back beside it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import Bench, arguments, stop_warm_processes  # noqa: E402
+
 COLD_WITH_JOBS = {"cold1": "1", "cold2w": "2", "cold4w": "4"}  # case -> CUDABUILD_JOBS of a cold build in a fresh cache
 ESTIMATE = {"keepkernels": 60, "second": 60, "layer": 70, "edit": 50, "cold": 130, "cold1": 140, "cold2w": 130, "cold4w": 130, "noop": 5, "replay": 80, "workers2": 60, "method": 70, "lowmem": 110, "cold2": 130, "warm": 100, "pinned": 300, "o0": 120, "stock": 100,
             "stockwarm": 60}  # H200, tiny_lm
-
-
-def stop_warm_processes(work: Path) -> None:
-    """The warm processes the cases started (one per cache under `work`) would otherwise stay up,
-    idle, for 15 minutes."""
-    sys.path.insert(0, str(ROOT))
-    from cudabuild.engine import warm  # no torch: only the process list
-
-    for process in warm.running():
-        if process.get("cache", "").startswith(str(work.resolve())):
-            warm.stop(process)
 
 
 def sha(path: Path) -> str | None:
@@ -144,31 +133,21 @@ def compile_overlap(trace: Path) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tiny_lm")
-    parser.add_argument("--budget", type=float, default=280)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--cases", default="cold,noop,replay,method,lowmem,cold2,stock,stockwarm")
-    parser.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="recipe option or spec passed to every cudabuild build (e.g. size=35b-a3b)")
-    args = parser.parse_args()
-    start = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="cudabuild-cuda-bench-"))
-    results: dict = {"model": args.model, "cases": {}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = arguments(__doc__, budget=280, extra=(
+        (("--model",), {"default": "tiny_lm"}),
+        (("--cases",), {"default": "cold,noop,replay,method,lowmem,cold2,stock,stockwarm"}),
+        (("--target",), {"default": "cuda", "choices": ("cuda", "cpu")}),
+        (("--set",), {"action": "append", "default": [], "metavar": "NAME=VALUE",
+                      "help": "recipe option or spec passed to every cudabuild build (e.g. size=35b-a3b)"})))
+    bench = Bench(args.out, args.budget, model=args.model, target=args.target, name="cuda_target")
+    work, out, results = bench.work, args.out, bench.results
+    results["model"] = args.model
 
     def save():
-        (out / "cuda_target.json").write_text(json.dumps(results, indent=1))
+        bench.write("cuda_target.json", results)
 
     def project(name: str) -> Path:
-        root = work / name
-        root.mkdir()
-        shutil.copy(ROOT / "dodo.py", root)
-        for folder in ("cudabuild", "recipes", "bench"):
-            shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        return root
+        return bench.project(name)
 
     def run(name: str, cwd: Path, cmd: list[str], cache: Path, extra_env: dict | None = None) -> dict:
         env = dict(os.environ, CUDABUILD_CACHE_DIR=str(cache), CUDABUILD_PROJECT=str(cwd), PYTHONPATH=f"{cwd}:{os.environ.get('PYTHONPATH', '')}")
@@ -209,9 +188,7 @@ def main() -> None:
     main_project = project("main")
     cache = work / "cache-main"
     for case in args.cases.split(","):
-        if time.monotonic() - start + ESTIMATE[case] > args.budget:
-            results["cases"][case] = {"skipped": "time budget"}
-            print(f"{case:<8} skipped (budget)", flush=True)
+        if not bench.fits(case, ESTIMATE[case]):
             continue
         if case == "cold":
             entry = run(case, main_project, doit, cache)

@@ -47,4 +47,10 @@ def main(model: str, target: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("target", choices=("cpu", "cuda"))
+    args = parser.parse_args()
+    sys.exit(main(args.model, args.target))

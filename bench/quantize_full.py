@@ -13,27 +13,20 @@ Results go to OUT/quantize_full.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen_moe_cuda import Bench, du  # noqa: E402
+from _harness import Bench, arguments, du  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--layers", type=int, default=0)
-    parser.add_argument("--methods", default="minmax,hqq")
-    parser.add_argument("--budget", type=float, default=1500)
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(out, args.budget)
+    args = arguments(__doc__, layers=0, budget=1500, extra=((("--methods",), {"default": "minmax,hqq"}),))
+    bench = Bench(args.out, args.budget, name="quantize_full")
     result: dict = {"layers": args.layers or 40, "methods": {}}
+    bench.results = result  # what bench.save() writes to quantize_full.json
     for method in args.methods.split(","):
         project, cache = bench.project(f"q-{method}"), bench.work / f"cache-{method}"
         settings = ["size=35b-a3b", f"layers={args.layers}"] + (["hqq=true"] if method == "hqq" else [])
@@ -47,10 +40,10 @@ def main() -> None:
             "peak_gpu_bytes": value.get("peak_gpu_bytes"), "peak_rss": peak_rss, "files": value.get("files"),
             "cache_bytes": du(cache), "stderr_tail": entry.get("stderr_tail") if entry["rc"] else None}
         print(json.dumps({method: result["methods"][method]}, default=str), flush=True)
-        (out / "quantize_full.json").write_text(json.dumps(result, indent=1, default=str))
+        bench.write("quantize_full.json", result)
         shutil.rmtree(cache, ignore_errors=True)  # 20 GB a bundle: the next method needs the disk
         shutil.rmtree(project, ignore_errors=True)
-    bench.save()
+    bench.finish()
 
 
 if __name__ == "__main__":

@@ -32,108 +32,24 @@ logs of every case to OUT/logs.tar.gz.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import ROOT, Bench, arguments, du  # noqa: E402,F401  (Bench, du: what the other qwen_moe benches import from here)
+
 ESTIMATE = {"cold": 240, "cold2w": 240, "noop": 10, "restore": 15, "runtime": 60, "stock": 200, "parity": 20, "lowmem": 150,
             "memory": 300, "hqq": 120, "optlevel": 250}
 MODEL, TARGET = "qwen_moe", "cuda"
 
 
-class Bench:
-    def __init__(self, out: Path, budget: float):
-        self.out, self.budget, self.start = out, budget, time.monotonic()
-        self.work = Path(tempfile.mkdtemp(prefix="qwen-moe-bench-"))
-        self.logs = self.work / "logs"
-        self.logs.mkdir()
-        self.results: dict = {"cases": {}}
-
-    def left(self) -> float:
-        return self.budget - (time.monotonic() - self.start)
-
-    def save(self) -> None:
-        (self.out / "qwen_moe_cuda.json").write_text(json.dumps(self.results, indent=1, default=str))
-        with tarfile.open(self.out / "logs.tar.gz", "w:gz") as tar:
-            tar.add(self.logs, arcname="logs")
-
-    def project(self, name: str) -> Path:
-        root = self.work / name
-        if not root.exists():
-            root.mkdir()
-            shutil.copy(ROOT / "dodo.py", root)
-            for folder in ("cudabuild", "recipes", "bench"):
-                shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        return root
-
-    def run(self, name: str, cmd: list[str], cwd: Path, env: dict | None = None, timeout: float | None = None) -> dict:
-        env = dict(os.environ, **(env or {}))
-        t0, wall = time.monotonic(), time.time()
-        try:
-            done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                                  timeout=timeout or max(self.left(), 30))
-            rc, stdout, stderr = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, stdout, stderr = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), \
-                (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        entry = {"seconds": round(time.monotonic() - t0, 2), "rc": rc}
-        (self.logs / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{stdout[-40000:]}\n--- stderr ---\n{stderr[-40000:]}")
-        build = cwd / "build" / MODEL / TARGET
-        for log in (build / "logs").glob("*.log") if build.exists() else []:
-            if log.stat().st_mtime >= wall:
-                (self.logs / name).mkdir(exist_ok=True)
-                shutil.copy(log, self.logs / name / log.name)
-        for extra in ("trace.json", "manifest.json"):
-            if (build / extra).exists() and (build / extra).stat().st_mtime >= wall:
-                shutil.copy(build / extra, self.logs / f"{name}-{extra}")
-        for failed in build.glob("verify-*.failed.json") if build.exists() else []:
-            if failed.stat().st_mtime >= wall:
-                entry.setdefault("verify_failed", {})[failed.name] = json.loads(failed.read_text())
-        entry["stdout_tail"], entry["stderr_tail"] = stdout[-1500:], stderr[-1500:]
-        print(f"{name:<24}{entry['seconds']:8.1f}s rc={rc}", flush=True)
-        return entry
-
-    def build(self, name: str, project: Path, cache: Path, *settings: str, tasks=("export",), env=None) -> dict:
-        cmd = [sys.executable, "-m", "doit", *tasks, f"model={MODEL}", f"target={TARGET}", *settings]
-        env = {"CUDABUILD_CACHE_DIR": str(cache), "CUDABUILD_PROJECT": str(project),
-               "PYTHONPATH": f"{project}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-        entry = self.run(name, cmd, project, env)
-        build = project / "build" / MODEL / TARGET
-        stamps = {p.stem: json.loads(p.read_text()) for p in (build / ".stamps").glob("*.json")} if build.exists() else {}
-        entry["stages"] = {stage: {"status": s.get("status"), "seconds": s.get("seconds"), "run": s.get("run"),
-                                   "value": _small(s.get("value"))} for stage, s in sorted(stamps.items())}
-        manifest = build / "manifest.json"
-        if manifest.exists() and manifest.stat().st_mtime >= time.time() - entry["seconds"] - 1:
-            data = json.loads(manifest.read_text())
-            entry["statuses"] = {f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]: s["status"] for s in data["stages"]}
-            entry["verify"] = data.get("verify")
-            entry["outputs"] = data.get("outputs")
-        return entry
-
-
-def du(path: Path) -> int:
-    """The bytes of the files under `path` (links not followed)."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.exists() else 0
-
-
 def built_options(project: Path) -> dict:
     """The recipe options the project's last build resolved (its manifest's)."""
     return json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
-
-
-def _small(value):
-    if isinstance(value, dict):
-        return {k: _small(v) for k, v in value.items() if k not in ("fallback_kernels",)}
-    return value
 
 
 # -- the stock exporter ---------------------------------------------------------------------------
@@ -328,18 +244,14 @@ def parity(ours: Path, stock: Path) -> dict:
 # -- main -------------------------------------------------------------------------------------------
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--cases", default="cold,noop,restore,runtime,stock,parity")
-    parser.add_argument("--runtime", default=str(ROOT / ".etrt" / "run.sh"))
-    parser.add_argument("--layers", default="1,2")
-    parser.add_argument("--runtime-35b", action="store_true")
-    parser.add_argument("--modes", default="OFF,ON", help="the memory case's low_memory_mode values")
-    parser.add_argument("--budget", type=float, default=560)
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = arguments(__doc__, budget=560, extra=(
+        (("--cases",), {"default": "cold,noop,restore,runtime,stock,parity"}),
+        (("--runtime",), {"default": str(ROOT / ".etrt" / "run.sh")}),
+        (("--layers",), {"default": "1,2", "help": "the memory case's layer counts"}),
+        (("--runtime-35b",), {"action": "store_true"}),
+        (("--modes",), {"default": "OFF,ON", "help": "the memory case's low_memory_mode values"}),
+        (("--set",), {"action": "append", "default": [], "metavar": "NAME=VALUE"})))
+    out = args.out
     bench = Bench(out, args.budget)
     results = bench.results
     main_project, cache = bench.project("main"), bench.work / "cache-main"
@@ -348,9 +260,7 @@ def main() -> None:
     results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     results["torch"] = torch.__version__
     for case in args.cases.split(","):
-        if ESTIMATE[case] > bench.left():
-            results["cases"][case] = {"skipped": f"time budget ({bench.left():.0f} s left)"}
-            print(f"{case:<24} skipped (budget)", flush=True)
+        if not bench.fits(case, ESTIMATE[case]):
             continue
         try:
             if case in ("cold", "noop"):
@@ -412,7 +322,7 @@ def main() -> None:
         results["ratios"] = {"cold/stock": cases["cold"]["seconds"] / cases["stock"]["seconds"]}
     if cases.get("cold", {}).get("rc") == 0 and cases.get("cold2w", {}).get("rc") == 0:
         results.setdefault("ratios", {})["cold2w/cold"] = cases["cold2w"]["seconds"] / cases["cold"]["seconds"]
-    bench.save()
+    bench.finish(keep=True)  # the runtime cases read its projects afterwards; a session's machine is reclaimed anyway
     print(json.dumps({k: v for k, v in results.items() if k != "cases"}, indent=1))
 
 

@@ -15,13 +15,12 @@ Results go to OUT/qwen_moe_envelope.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen_moe_cuda import Bench  # noqa: E402
+from _harness import Bench, arguments  # noqa: E402
 
 
 def summarise(reference: dict, tolerance: float, tokens: list[int]) -> dict:
@@ -51,19 +50,14 @@ def summarise(reference: dict, tolerance: float, tokens: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--budget", type=float, default=540)
-    parser.add_argument("--tokens", action="append", default=[], help="METHOD=T0,T1,...: a compiled build's picks")
-    parser.add_argument("--tolerance", type=float, default=0.05)
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = arguments(__doc__, layers=8, budget=540, extra=(
+        (("--tokens",), {"action": "append", "default": [], "help": "METHOD=T0,T1,...: a compiled build's picks"}),
+        (("--tolerance",), {"type": float, "default": 0.05})))
     picks = {m: [int(t) for t in ts.split(",")] for m, ts in (a.split("=", 1) for a in args.tokens)}
-    bench = Bench(out, args.budget)
+    bench = Bench(args.out, args.budget, name="qwen_moe_envelope")
     project, cache = bench.project("envelope"), bench.work / "cache-envelope"
     result: dict = {"layers": args.layers}
+    bench.results = result  # what bench.save() writes to qwen_moe_envelope.json
     built = bench.build("references", project, cache, "size=35b-a3b", f"layers={args.layers}", "low_memory_mode=ON",
                         tasks=("export:reference.prefill", "export:reference.decode"))
     result["build"] = {k: built.get(k) for k in ("rc", "seconds", "stderr_tail", "stages")}
@@ -79,8 +73,8 @@ def main() -> None:
         outputs = json.loads(stamp.read_text())["outputs"]
         reference = torch.load(store.verified_path(outputs["reference.pt"]), weights_only=True)
         result[method] = summarise(reference, args.tolerance, picks.get(method, []))
-    (out / "qwen_moe_envelope.json").write_text(json.dumps(result, indent=1, default=str))
-    bench.save()
+    bench.write("qwen_moe_envelope.json", result)
+    bench.finish()
     print(json.dumps({m: result[m]["steps"] for m in ("prefill", "decode") if m in result}, indent=1))
 
 

@@ -13,7 +13,6 @@ Results go to OUT/qwen_moe_side_by_side.json, logs to OUT/logs.tar.gz.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -21,19 +20,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen_moe_cuda import Bench, stock_exporter  # noqa: E402
+from _harness import Bench, arguments  # noqa: E402
+from qwen_moe_cuda import stock_exporter  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--budget", type=float, default=1500)
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(out, args.budget)
+    args = arguments(__doc__, layers=8, budget=1500)
+    bench = Bench(args.out, args.budget, name="qwen_moe_side_by_side")
     result: dict = {"layers": args.layers}
+    bench.results = result  # what bench.save() writes to qwen_moe_side_by_side.json
     script = stock_exporter(low_memory=False, real_layers=args.layers)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(bench.work / "stock-inductor"), "TRITON_CACHE_DIR": str(bench.work / "stock-triton")}
     stock = bench.run("stock", [sys.executable, str(script), "--tiny-test", "--qlinear", "4w",
@@ -48,10 +43,9 @@ def main() -> None:
                       "stages": {k: (v["status"], v["seconds"]) for k, v in ours.get("stages", {}).items()}}
     if stock["rc"] == 0 and ours["rc"] == 0:
         result["cold_over_stock"] = round(ours["seconds"] / stock["seconds"], 3)
-    (out / "qwen_moe_side_by_side.json").write_text(json.dumps(result, indent=1, default=str))
+    bench.write("qwen_moe_side_by_side.json", result)
     print(json.dumps(result, default=str))
-    bench.save()
-    shutil.rmtree(bench.work, ignore_errors=True)
+    bench.finish()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ fp32 conversion are cudabuild.models.qwen35_moe_fp32's, which verify now uses to
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -34,7 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen_moe_cuda import MODEL, TARGET, Bench, eager_model  # noqa: E402
+from _harness import Bench, arguments  # noqa: E402
+from qwen_moe_cuda import MODEL, TARGET, eager_model  # noqa: E402
 
 STATE_SUFFIXES = ("conv_state", "recurrent_state", "k_cache", "v_cache")
 
@@ -185,19 +185,15 @@ def stamps_of(project: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--budget", type=float, default=560)
-    parser.add_argument("--cases", default="off,on")
-    parser.add_argument("--keep", action="store_true", help="keep the projects and cache (in a temp folder)")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(out, args.budget)
+    args = arguments(__doc__, layers=4, budget=560, extra=(
+        (("--cases",), {"default": "off,on"}),
+        (("--keep",), {"action": "store_true", "help": "keep the projects and cache (in a temp folder)"})))
+    out = args.out
+    bench = Bench(out, args.budget, name="qwen_moe_truth")
     project, cache = bench.project("truth"), bench.work / "cache-truth"
     settings = ["size=35b-a3b", f"layers={args.layers}", "low_memory_mode=OFF"]
     result: dict = {"layers": args.layers}
+    bench.results = result  # what bench.save() writes to qwen_moe_truth.json
     save = lambda: (out / "qwen_moe_truth.json").write_text(json.dumps(result, indent=1, default=str))  # noqa: E731
     built = bench.build("off", project, cache, *settings)
     result["off"] = {k: built.get(k) for k in ("rc", "seconds", "verify", "verify_failed", "stderr_tail", "stages")}
@@ -242,11 +238,7 @@ def main() -> None:
                 result["methods"][method]["compiled_on"] = against_truth(want, run)
     result["seconds"] = time.monotonic() - bench.start
     save()
-    bench.save()
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(bench.work, ignore_errors=True)  # gigabytes of cache: the machine's next case needs the disk
+    bench.finish(keep=args.keep)  # gigabytes of cache otherwise: the machine's next case needs the disk
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
     cudabuild cache stats --last 10
     cudabuild cache verify
     cudabuild cache gc --max-size 2G --max-age 30 [--dry-run]
-    cudabuild warm [stop [--all]]
+    cudabuild warm [stop] [--all]
     cudabuild start model=qwen_moe target=cuda size=35b-a3b      # a build that outlives this command
     cudabuild status model=qwen_moe target=cuda size=35b-a3b
     cudabuild wait model=qwen_moe target=cuda size=35b-a3b --timeout 540
@@ -34,7 +34,7 @@ COMMANDS = (
     ("cache stats", "entries and bytes in the cache; hits, restores, misses and time saved over the last builds"),
     ("cache verify", "re-hash every blob; drop corrupt ones and the records that named them"),
     ("cache gc", "evict least-recently-used entries that build/ does not reference, down to --max-size"),
-    ("warm", "the warm processes that run stages with torch imported already; `warm stop` ends this cache's"),
+    ("warm", "this cache's warm processes (torch imported, ready for the next build; --all: every cache's); `warm stop` ends them"),
     ("start", "`doit export SETTINGS` in a session of its own, which outlives this command (and the terminal)"),
     ("status", "the detached build of these settings: running, done or failed; the stages it finished; its log's end"),
     ("wait", "wait for the detached build to end; its exit status, or 124 if --timeout passes first"),
@@ -95,10 +95,11 @@ def _parser() -> _Parser:
                     "evict its least-recently-used blobs that no record younger than --keep-days names")
     gc.add_argument("--keep-days", type=_days, default=7.0, metavar="DAYS",
                     help="with --remote: blobs named by records younger than DAYS days are kept (default 7)")
-    warm = commands.add_parser("warm", prog="cudabuild warm", usage="cudabuild warm [stop [--all]]",
-                               description=ABOUT["warm"] + " (--all: every cache's).")
+    warm = commands.add_parser("warm", prog="cudabuild warm", usage="cudabuild warm [stop] [--all]",
+                               description=ABOUT["warm"] + ". Each build leaves one, idle for up to "
+                               "$CUDABUILD_WARM_IDLE_SECONDS (900) before it ends.")
     warm.add_argument("action", nargs="?", choices=("list", "stop"), default="list")
-    warm.add_argument("--all", action="store_true", help="with stop: every warm process of this user, not only this cache's")
+    warm.add_argument("--all", action="store_true", help="every warm process of this user, not only this cache's")
     for name in ("start", "status", "wait"):
         detached = commands.add_parser(name, prog=f"cudabuild {name}", description=ABOUT[name] + ".",
                                        usage=f"cudabuild {name} model=NAME [NAME=VALUE ...]" + (" [--timeout S]" if name == "wait" else ""))
@@ -140,7 +141,7 @@ def _project() -> Path:
 
 def cmd_explain(args) -> int:
     from cudabuild.config import load_config
-    from cudabuild.engine.explain import forecast
+    from cudabuild.engine.explain import forecast, not_cached_words, not_in_cache
     from cudabuild.engine.runner import Runner
     from cudabuild.engine.store import Store
 
@@ -149,13 +150,18 @@ def cmd_explain(args) -> int:
         config = load_config(_project(), _settings(args.settings), store)
         if config.target_note:
             print(config.target_note, file=sys.stderr)
-        lines = forecast(Runner(config, store, run_id="explain"))
+        runner = Runner(config, store, run_id="explain")
+        lines = forecast(runner)
+        missing = not_in_cache(runner, lines)
     finally:
         store.close()
     width = max(len(f.stage) for f in lines)
     print(f"{config.model} / {config.target}")
     for f in lines:
         print("  " + f.line(width))
+    if missing:
+        where = os.path.relpath(config.build_dir) if config.build_dir.is_relative_to(Path.cwd()) else str(config.build_dir)
+        print(not_cached_words(where, len(missing), sum(f.verdict == "up to date" for f in lines)))
     return 0
 
 
@@ -217,22 +223,43 @@ def cmd_cache(args) -> int:
     return status
 
 
+# How long `cudabuild warm stop` waits for the processes to be gone before it says which still finish a call.
+WARM_STOP_SECONDS = 15.0
+
+
 def cmd_warm(args) -> int:
     from cudabuild.engine import warm
     from cudabuild.engine.store import default_root
 
     cache = str(Path(default_root()).resolve())
     processes = [p for p in warm.running() if args.all or p.get("cache") == cache]
+    whose = "" if args.all else " of this cache"
     if args.action == "stop":
         for process in processes:
             warm.stop(process)
-        print(f"stopped {len(processes)} warm process{'es' if len(processes) != 1 else ''}")
+        left = warm.wait_gone(processes, WARM_STOP_SECONDS)
+        gone = len(processes) - len(left)
+        others = 0 if args.all else sum(1 for p in warm.running() if p.get("cache") != cache)
+        print(f"stopped {_processes(gone)}{whose}" + (f"; {others} of other caches run on (--all stops them)" if others else ""))
+        if left:
+            pids = ", ".join(str(p["pid"]) for p in left)
+            print(f"{_processes(len(left))} still finishing a build's stage (pid {pids}): each exits once its stage is done")
         return 0
     if not processes:
-        print("no warm process" if args.all else f"no warm process for {cache} (--all: every cache's)")
+        print(f"no warm process{whose}" + ("" if args.all else f" ({cache}); --all lists every cache's"))
+        return 0
     for process in processes:
-        print(f"pid {process['pid']}  cache {process['cache']}  {', '.join(process['modules'])}")
+        mb = warm.resident_bytes(int(process["pid"])) / 1e6
+        state = "starting (importing)" if process.get("starting") else f"{mb:.0f} MB resident"
+        print(f"pid {process['pid']}  {state}  cache {process['cache']}  {', '.join(process['modules'])}")
+    idle = warm.idle_seconds() / 60
+    print(f"{_processes(len(processes))}{whose}, each ending after {idle:g} min idle; `cudabuild warm stop` ends "
+          + ("them" if args.all else "them now, --all lists every cache's"))
     return 0
+
+
+def _processes(count: int) -> str:
+    return f"{count} warm process{'es' if count != 1 else ''}"
 
 
 def cmd_detached(args) -> int:
@@ -248,10 +275,17 @@ def cmd_detached(args) -> int:
         store.close()
     build_dir = config.build_dir
     if args.command == "start":
+        from cudabuild.backend.toolchain import require_device
+
+        require_device(config.target)  # the build would stop at once: say so here, and start nothing
         record, started = detached.start(build_dir, _project(), args.settings)
         verb = "started" if started else "already running"
         print(f"{verb}: pid {record['pid']}, log {build_dir / detached.LOG}; `cudabuild status` or `cudabuild wait` with the same settings")
         return 0
+    if detached.read(build_dir) is None:
+        settings = " ".join(args.settings)
+        raise UsageError(f"no detached build of {settings or 'these settings'} in {build_dir}",
+                         fix=f"`cudabuild start {settings}` starts one")
     if args.command == "status":
         print("\n".join(detached.describe(build_dir)))
         return 0
@@ -263,6 +297,14 @@ def cmd_detached(args) -> int:
     return int(record.get("rc", 1))
 
 
+def _reader_left() -> int:
+    """The reader of stdout closed it (`cudabuild cache stats | head -1`): end quietly, as `git log |
+    head` does, with the status a process ended by SIGPIPE has (128 + 13). What is still buffered
+    goes to /dev/null, or Python's exit would report the closed pipe once more."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -272,7 +314,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = _parser().parse_args(argv)
         commands = {"explain": cmd_explain, "report": cmd_report, "warm": cmd_warm,
                     "start": cmd_detached, "status": cmd_detached, "wait": cmd_detached}
-        return commands.get(args.command, cmd_cache)(args)
+        status = commands.get(args.command, cmd_cache)(args)
+        sys.stdout.flush()  # a reader that left early (`| head`) is found here, not at exit
+        return status
+    except BrokenPipeError:
+        return _reader_left()
     except SystemExit as e:  # --help, which argparse ends with exit(0)
         return e.code if isinstance(e.code, int) else 0
     except CudabuildError as e:

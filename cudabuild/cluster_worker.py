@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cudabuild.backend.toolchain import fingerprint_difference
 from cudabuild.config import load_config
-from cudabuild.engine import cache_admin, cluster
+from cudabuild.engine import cache_admin, cluster, frames
 from cudabuild.engine.console.progress import failure_lines
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.graph import Stage
@@ -52,7 +52,7 @@ def run_stage(payload: dict) -> dict:
         runner = None
         try:
             runner, stage = _runner(payload, workspace)
-            status = runner.execute(stage)
+            status = frames.on_fresh_chunk(runner.execute, stage)  # frames laid out as in a build's own process
         except CudabuildError as e:
             log = runner.logs.get(Stage(*payload["stage"]).id) if runner is not None else None
             return {"status": "failed", "error": one_line(e) + failure_lines(log), "worker": where,

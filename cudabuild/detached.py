@@ -102,7 +102,15 @@ def describe(build_dir: Path, tail: int = 5) -> list[str]:
     else:
         state = f"died (started {since}, no exit status: killed, or the machine restarted); `cudabuild start` resumes it: {command}"
     stamps = sorted(p.stem for p in (build_dir / ".stamps").glob("*.json") if p.stat().st_mtime >= record["started"] - 1)
-    lines = [state, f"stages brought up to date by it: {', '.join(stamps) if stamps else 'none yet'}"]
+    if stamps:
+        done = f"stages it ran or restored: {', '.join(stamps)}"
+    elif alive(record):
+        done = "stages it ran or restored: none yet"
+    elif record.get("rc") == 0:
+        done = "nothing needed building: every stage was up to date"
+    else:
+        done = "stages it ran or restored: none"
+    lines = [state, done]
     try:
         log = (build_dir / LOG).read_text(errors="replace").splitlines()
     except OSError:

@@ -29,17 +29,18 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cache_admin, cluster, executors, history, interrupt, nightly, room, warm, workers
+from cudabuild.engine import cache_admin, cluster, executors, frames, history, interrupt, nightly, room, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
-from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, UnknownModel, UnknownTarget, error_lines,
-                              one_line)
+from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, NoGpu, UnknownModel, UnknownTarget,
+                              error_lines, one_line)
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.registry import list_models
 from cudabuild.engine.console.progress import CudabuildReporter, failure_lines, print_summary
 from cudabuild.engine.runner import Runner
 from cudabuild.engine.store import Store
+from cudabuild.backend.toolchain import require_device
 from cudabuild.backend.tuning import pin_autotune
 
 RUN_ID = uuid.uuid4().hex
@@ -178,11 +179,40 @@ DEFAULT_WORKERS = CLUSTER_IN_FLIGHT if CLUSTER else _default_workers()
 WORKERS = workers_from_argv(sys.argv[1:], DEFAULT_WORKERS)
 
 
+def doit_command(argv: list[str] | None = None) -> str:
+    """The doit command this process runs: `run` (what `doit export ...` is), or `list`, `info`,
+    `clean`, ...: those load the tasks too, and build nothing."""
+    from doit.doit_cmd import DoitMain
+
+    argv = sys.argv[1:] if argv is None else argv
+    first = argv[0] if argv else ""
+    return first if first in {cmd.get_name() for cmd in DoitMain.DOIT_CMDS} else "run"
+
+
+def building(argv: list[str] | None = None) -> bool:
+    """Whether this doit command builds (runs tasks), rather than lists or cleans them."""
+    return doit_command(argv) == "run"
+
+
+def bare_setting(argv: list[str], project: Path) -> str | None:
+    """A model's or a target's name given as a word (`doit export tiny_lm`), which doit would take
+    for a task that does not exist: the word, or None."""
+    settings = set(list_models(project)) | {"auto", "cpu", "cuda"}
+    words = [a for a in argv if not a.startswith("-") and "=" not in a]
+    return next((w for w in words if w in settings), None)
+
+
 def make_runner(cli: dict[str, str]) -> Runner:
+    word = bare_setting(sys.argv[1:], project_root())
+    if word is not None:
+        name = "target" if word in ("auto", "cpu", "cuda") else "model"
+        raise InvalidOption(f"'{word}' is not a task", fix=f"settings are NAME=VALUE: {name}={word}")
     store = Store()
     config = load_config(project_root(), cli, store)
-    if config.target_note:
-        print(config.target_note, file=sys.stderr)
+    if building():
+        require_device(config.target)
+        if config.target_note:
+            print(config.target_note, file=sys.stderr)
     return with_warm(Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS), cli)
 
 
@@ -199,7 +229,7 @@ def with_warm(runner: Runner, settings: dict[str, str]) -> Runner:
 def _stage_action(runner: Runner, stage):
     def action():
         try:
-            runner.execute(stage)
+            frames.on_fresh_chunk(runner.execute, stage)  # the same frame layout in doit's process and its workers
         except CudabuildError as e:  # one line, then where the stage's own output went
             # No manifest follows a failure: the timeline up to it is written now.
             runner.recorder.merge(trace.process_start_us(), trace.now_us(), failed=stage.id)
@@ -218,7 +248,16 @@ def _expected_seconds(task_name: str):
     return history.expected_seconds(runner, stage) if runner is not None else None
 
 
+def _stage_outcome(task_name: str):
+    """(status, seconds) of what this build did with the task's stage, from its stamp (a stage run
+    by a doit worker or a warm process wrote it), or None."""
+    runner, stage = _STAGE_OF_TASK.get(task_name, (None, None))
+    stamp = runner.read_stamp(stage) if runner is not None else None
+    return (stamp.status, stamp.seconds) if stamp is not None and stamp.run == runner.run_id else None
+
+
 progress.set_expectations(_expected_seconds)
+progress.set_outcomes(_stage_outcome)
 
 
 def _stages_done():
@@ -269,7 +308,8 @@ def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
         # evicts is referenced by no stamp of the project, so nothing this build needs.
         cache_admin.enforce_limit(runner.store, runner.config.project)
         runner.recorder.merge(trace.process_start_us(), trace.now_us(), model=manifest["model"], target=manifest["target"])
-        print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir, shown=runner.config.shown_options)
+        print_summary(manifest, time.monotonic() - STARTED, runner.config.build_dir, shown=runner.config.shown_options,
+                      not_cached=build_manifest.not_in_cache(runner.store, manifest["stages"]))
         warm_call = getattr(runner.executor, "call", None)  # (None where it could not serve this build)
         if isinstance(warm_call, warm_stage.WarmStages):
             warm_call.after_build([entry["status"] for entry in manifest["stages"]])
@@ -377,7 +417,12 @@ def task_nightly():
             except CudabuildError as e:  # a broken recipe: that build fails, the others go on
                 builds[f"{model}/{target}"] = (None, one_line(e))
                 continue
-            if config.target_note and config.target_note not in notes:
+            if pool is None and building():  # a cluster's workers bring their own GPUs
+                try:
+                    require_device(config.target)
+                except NoGpu as e:
+                    fail_fast(e)
+            if config.target_note and config.target_note not in notes and building():
                 notes.add(config.target_note)
                 print(config.target_note, file=sys.stderr)
             runner = Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS)

@@ -151,6 +151,9 @@ def parse(option: Option, raw: Any) -> tuple[Any, Optional[str]]:
     if option.maximum is not None and value > option.maximum:
         return None, f"above {shown(option.maximum)}"
     if option.folder and value and not os.path.isdir(os.path.expanduser(value)):
+        path = os.path.expanduser(value)
+        if os.path.exists(path):  # a file of the folder given for the folder itself
+            return None, f"is a file; expected the {option.name}'s folder (this file's is {os.path.dirname(path) or '.'})"
         return None, "no such folder"
     return value, None
 
@@ -173,7 +176,8 @@ def check(model: str, target: Optional[str], options: Table, given: Mapping[str,
             continue
         value, why = parse(option, raw)
         if why is not None:
-            problems.append(compose(setting, why) if why == "no such folder" else compose(setting, expected=option.expected()))
+            # A folder's problem says what the path is; any other value, what the option takes.
+            problems.append(compose(setting, why) if option.folder else compose(setting, expected=option.expected()))
             continue
         values[name] = value
     return values, problems

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from cudabuild.engine import frames
 from cudabuild.engine.console import trace
 from cudabuild.engine.graph import Stage
 from cudabuild.engine.admission import WAITS
@@ -77,7 +78,7 @@ def run_stage(payload: dict) -> dict:
         if payload.get("asked_us"):
             runner.recorder.complete(WAITS["warm"], payload["asked_us"], taken, "wait", served=True)
         runner.recorder.complete("configure", taken, trace.now_us())
-        status = runner.execute_here(Stage(*payload["stage"]))
+        status = frames.on_fresh_chunk(runner.execute_here, Stage(*payload["stage"]))  # as a build's own process lays them out
     except CudabuildError as e:
         return {"error": _picklable(e), "events": runner.recorder.take_own() if runner is not None else []}
     return {"status": status, "events": runner.recorder.take_own()}

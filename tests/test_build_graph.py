@@ -92,6 +92,12 @@ def test_noop_runs_nothing_and_imports_no_torch(tiny_copy):
     assert set(tiny_copy.statuses().values()) == {"cached"}
 
 
+def test_doit_list_lists_and_says_nothing_about_building(tiny_copy):
+    listed = tiny_copy.doit("list", "--all", "model=tiny_lm")  # target=auto: the note of what it picks is a build's
+    assert listed.returncode == 0 and listed.stderr == ""
+    assert "export:compile.decode" in listed.stdout and "building" not in listed.stdout
+
+
 def test_a_comment_edit_reruns_nothing(tiny_copy):
     recipe = tiny_copy.root / "recipes" / "tiny_lm.py"
     recipe.write_text("# a comment that moves every line\n\n" + recipe.read_text().replace(
@@ -184,6 +190,7 @@ def _one_line_error(result) -> str:
         (["model=tiny_lm", "target=cpu", "prefil.max_autotune=ON"], "spec override 'prefil.max_autotune' names unknown method 'prefil'"),
         (["model=tiny_lm", "target=cpu", "triton_kernel_mode=ON"], "triton_kernel_mode=ON needs target=cuda"),
         (["model=tiny_lm", "target=cpu", "seed=abc"], "tiny_lm option seed=abc: expected an integer >= 0 (default 0)"),
+        (["tiny_lm", "target=cpu"], "'tiny_lm' is not a task; settings are NAME=VALUE: model=tiny_lm"),
     ],
 )
 def test_bad_input_is_one_line_and_caches_nothing(project, args, expected):

@@ -51,6 +51,8 @@ def test_console_script_runs_the_same_main(tmp_path):
     (["explain", "model=nope"], "unknown model 'nope'; known models: "),
     (["explain", "model=tiny_lm", "max_autotune=MAYBE"], "invalid value max_autotune=MAYBE"),
     (["explain", "tiny_lm"], "explain takes NAME=VALUE settings as doit export does"),
+    (["wait", "model=tiny_lm", "target=cpu"], "no detached build of model=tiny_lm target=cpu in "),
+    (["status", "model=tiny_lm", "target=cpu"], "`cudabuild start model=tiny_lm target=cpu` starts one"),
 ])
 def test_errors_are_one_line_with_status_2(args, message, tmp_path):
     done = run(args, tmp_path)
@@ -77,3 +79,23 @@ def test_main_returns_the_status_in_process(capsys, monkeypatch, tmp_path):
     assert main(["cache", "gc", "--max-size", "1G"]) == 0
     assert main(["cache", "nope"]) == 2
     assert capsys.readouterr().err.startswith("cudabuild: error: argument {stats,verify,gc}: invalid choice: 'nope'")
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    # `cudabuild cache stats | head -0`: the pipe is closed before anything is written to it.
+    env = {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
+           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    command = subprocess.Popen([sys.executable, "-m", "cudabuild", "cache", "stats"], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command.stdout.close()
+    stderr = command.stderr.read().decode()
+    assert command.wait(timeout=600) == 141  # what a process ended by SIGPIPE reports, as `git log | head` does
+    assert stderr == ""
+
+
+def test_warm_with_none_running_says_whose_it_lists_and_what_lists_every_caches(tmp_path):
+    done = run(["warm"], tmp_path)
+    assert done.returncode == 0
+    assert done.stdout.startswith(f"no warm process of this cache ({tmp_path / 'cache'})")
+    assert "--all lists every cache's" in done.stdout
+    assert "warm [stop] [--all]" in run(["warm", "--help"], tmp_path).stdout

@@ -161,3 +161,23 @@ def test_the_summary_says_what_an_option_means_and_what_the_saved_time_counts(tm
     assert "  options: size=tiny, layers=0 (every layer)" in lines
     assert ("  ran 0, restored 0, cached 2; 0.4s total; the cache saved 140.0s of stage time (the served stages' runs, "
             "added up)") in lines
+
+
+def test_a_finished_stage_names_its_running_time_beside_its_wait(monkeypatch):
+    """The progress line's time runs from the stage's start here (a worker's import, its turn
+    included); the summary counts the stage's own work. A line names both, so the two agree."""
+    from cudabuild.engine.console import progress
+
+    monkeypatch.setattr(progress, "_outcome", lambda name: {"export:export.decode": ("ran", 0.01),
+                                                            "export:compile.decode": ("restored", 0.01)}.get(name))
+    assert progress.done_words(8.8, ("ran", 3.2)) == "done in 8.8s (3.2s running, 5.6s importing and waiting)"
+    stream = io.StringIO()
+    plain = PlainProgress(stream, tick=600)
+    for name in ("export:export.decode", "export:compile.decode", "export:probe"):
+        plain.start(name, None)
+        time.sleep(0.2)  # its worker importing, say
+        plain.finish(name, ok=True)
+    lines = stream.getvalue().splitlines()
+    assert lines[1].startswith("  export.decode done in ") and lines[1].endswith("importing and waiting)")
+    assert lines[3].startswith("  compile.decode restored in ")
+    assert lines[5].startswith("  probe done in ") and lines[5].endswith("s")  # nothing known of it: one figure

@@ -69,3 +69,11 @@ def test_a_build_killed_mid_compile_resumes_with_only_its_unfinished_stages(tiny
 
     assert_ok(reference.export(*SETTINGS, O0))
     assert tiny_copy.manifest()["outputs"] == reference.manifest()["outputs"]
+
+
+def test_status_after_a_detached_no_op_says_nothing_needed_building(tiny_copy):
+    tiny_copy.cudabuild("start", *SETTINGS)  # the copy is built: every stage up to date
+    assert tiny_copy.cudabuild("wait", *SETTINGS, "--timeout", "600", check=False).returncode == 0
+    status = tiny_copy.cudabuild("status", *SETTINGS).stdout.splitlines()
+    assert status[0].startswith("done after")
+    assert status[1] == "nothing needed building: every stage was up to date"

@@ -179,3 +179,16 @@ def test_manifest_records_why_each_stage_ran(tmp_path_factory):
     assert reasons["compile.decode"] == f"spec {key.split('.')[1]}: ON -> {value}"
     assert reasons["blob.decode"].startswith("result of compile.decode changed")
     assert reasons["package"].startswith("result of blob.decode changed")
+
+
+@pytest.mark.slow
+def test_an_empty_cache_beside_a_current_build_dir_is_said_by_explain_and_the_build(tmp_path_factory, tmp_path):
+    clone = tiny_lm_build(tmp_path_factory).copy(tmp_path)
+    shutil.rmtree(clone.cache)  # emptied, as another CUDABUILD_CACHE_DIR would be
+    lines = clone.cudabuild("explain", *BUILD).stdout.splitlines()
+    assert all(line.split(None, 1)[1] == "up to date" for line in lines[1:-1])
+    note = ("build/tiny_lm/cpu/ is up to date, and the cache holds none of its stages (emptied, or another "
+            "CUDABUILD_CACHE_DIR): a change rebuilds them from scratch")
+    assert lines[-1] == note
+    built = clone.run("-m", "doit", "export", *BUILD).stdout
+    assert f"  {note}" in built.splitlines() and "the cache saved" not in built

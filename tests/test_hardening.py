@@ -416,15 +416,20 @@ def test_bad_checkpoint_is_one_line_and_caches_nothing(project, tmp_path, damage
     assert not project.cache.exists() or set(records(project).values()) <= {"probe"}
 
 
-def test_target_cuda_without_a_gpu_is_one_line(project):
+def test_target_cuda_without_a_gpu_stops_before_any_stage_in_one_line(project):
     from cudabuild.backend.cuda_env import gpu_present
 
     if gpu_present(os.environ):
         pytest.skip("this machine has a GPU")
-    line = one_error_line(project.export("model=tiny_lm", "target=cuda"))
-    assert line == ("cudabuild: error: [probe] target=cuda needs a CUDA GPU, and torch sees none "
-                    "(torch.cuda.is_available() is False); use target=cpu")
-    assert not records(project)
+    done = project.export("model=tiny_lm", "target=cuda")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "cudabuild: error: target=cuda: this machine shows no NVIDIA GPU (no /dev/nvidia*, or CUDA_VISIBLE_DEVICES "
+        "hides them); build with target=cpu, or target=auto to pick what is here"]
+    assert not (project.root / "build").exists() and not records(project)
+    # `doit list` names the stages of a cuda build all the same: it builds nothing.
+    listed = project.doit("list", "--all", "model=tiny_lm", "target=cuda")
+    assert listed.returncode == 0 and "export:compile.decode" in listed.stdout
 
 
 @pytest.mark.slow

@@ -44,6 +44,13 @@ def test_every_problem_is_one_line_naming_the_option_what_it_takes_and_its_defau
     assert check(checkpoint=str(tmp_path))[1] == []
 
 
+def test_a_file_given_for_a_folder_says_so_and_names_the_folder_it_is_in(tmp_path):
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(b"")
+    assert check(checkpoint=str(shard))[1] == [
+        f"m option checkpoint={shard}: is a file; expected the checkpoint's folder (this file's is {tmp_path})"]
+
+
 @pytest.mark.parametrize("raw", ["3.5", "", "1e3", "true", "nan"])
 def test_an_integer_option_takes_whole_numbers_only(raw):
     assert check(layers=raw)[1] == [f"m option layers={raw or chr(39) * 2}: expected an integer >= 0 (default 0: every layer)"]

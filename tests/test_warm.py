@@ -361,7 +361,7 @@ def _wait_for_server(project, seconds: float = 120.0) -> int:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         listed = project.cudabuild("warm").stdout
-        if listed.startswith("pid "):
+        if listed.startswith("pid ") and "starting (importing)" not in listed.splitlines()[0]:
             return int(listed.split()[1])
         time.sleep(0.5)
     raise AssertionError(f"no warm process served within {seconds} s: {listed}")
@@ -388,3 +388,37 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _cudabuild(tmp_path, *args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDABUILD_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(Path(__file__).parent.parent))
+    return subprocess.run([sys.executable, "-m", "cudabuild", *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_warm_lists_this_caches_processes_and_stop_says_so_once_they_are_gone(calls, tmp_path):
+    processes, _ = calls
+    processes.call("warm_calls:answer", 1)
+    server = processes.last_server
+    listed = _cudabuild(tmp_path, "warm").stdout.splitlines()
+    assert listed[0].startswith(f"pid {server}  ") and " MB resident  cache " in listed[0]
+    assert listed[-1].startswith("1 warm process of this cache") and "--all lists every cache's" in listed[-1]
+    stopped = _cudabuild(tmp_path, "warm", "stop")
+    assert stopped.stdout.startswith("stopped 1 warm process of this cache")
+    assert not _alive(server)  # gone when the command says so, not seconds later
+
+
+def test_stop_ends_a_warm_process_still_importing(tmp_path, monkeypatch):
+    # A build of one worker starts its warm process as it ends: for several seconds it imports and
+    # has no socket yet. `warm stop` must end that one too, not leave it up for 15 minutes.
+    slow = tmp_path / "mods"
+    slow.mkdir()
+    (slow / "slow_import.py").write_text("import time\ntime.sleep(120)\n")
+    monkeypatch.syspath_prepend(str(slow))
+    monkeypatch.setenv("PYTHONPATH", str(slow))
+    processes = warm.WarmProcesses(tmp_path / "cache", ("slow_import",))
+    assert processes.start_in_background()
+    mine = [p for p in warm.running() if p["cache"] == str((tmp_path / "cache").resolve())]
+    assert len(mine) == 1 and mine[0]["starting"]
+    stopped = _cudabuild(tmp_path, "warm", "stop")
+    assert stopped.stdout.startswith("stopped 1 warm process of this cache")
+    assert not _alive(mine[0]["pid"])

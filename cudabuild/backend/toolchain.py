@@ -199,8 +199,19 @@ def resolve_target(target: str, environ=os.environ) -> tuple[str, str | None]:
     from cudabuild.backend.cuda_env import gpu_present
 
     if gpu_present(environ):
-        return "cuda", "target=auto: a GPU is present, building for cuda"
-    return "cpu", "target=auto: no GPU found, building for cpu"
+        return "cuda", "target=auto: a GPU is present, so target=cuda"
+    return "cpu", "target=auto: no GPU found, so target=cpu"
+
+
+def require_device(target: str, environ=os.environ) -> None:
+    """A build for cuda on a machine that shows no GPU stops before any stage: the probe would find
+    out only after importing torch, and leave build/ behind. No torch here."""
+    from cudabuild.backend.cuda_env import gpu_present
+    from cudabuild.errors import NoGpu
+
+    if target == "cuda" and not gpu_present(environ):
+        raise NoGpu("target=cuda", "this machine shows no NVIDIA GPU (no /dev/nvidia*, or CUDA_VISIBLE_DEVICES hides them)",
+                    fix="build with target=cpu, or target=auto to pick what is here")
 
 
 def python_executable() -> str:

@@ -320,6 +320,21 @@ def forecast(runner) -> list[Forecast]:
     return out
 
 
+def not_in_cache(runner, forecasts: list[Forecast]) -> list[str]:
+    """The stages the forecast calls up to date (their outputs in build/) whose record the cache
+    does not hold: an emptied cache, or another CUDABUILD_CACHE_DIR than the one that built build/."""
+    current = {f.stage for f in forecasts if f.verdict == "up to date"}
+    stamps = {s.id: runner.read_stamp(s) for s in runner.pipeline.plan(runner.config) if s.id in current}
+    return [sid for sid, stamp in stamps.items() if stamp and runner.store.locate_record(stamp.key)[0] is None]
+
+
+def not_cached_words(where: str, missing: int, up_to_date: int) -> str:
+    """What explain and a build's summary say of stages up to date in build/ that the cache lacks."""
+    some = "none" if missing == up_to_date else f"{missing} of the {up_to_date}"
+    return (f"{where}/ is up to date, and the cache holds {some} of its stages (emptied, or another "
+            "CUDABUILD_CACHE_DIR): a change rebuilds them from scratch")
+
+
 def _weights_alone(decision, new_weights: dict, config, pipeline: Pipeline) -> Optional[str]:
     """When every input of the stage that changes is a change of the weights' values alone (an
     input its row names `values_only`, or the result of a stage that runs for new weights), those

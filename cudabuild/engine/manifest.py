@@ -53,6 +53,14 @@ def manifest(runner) -> dict:
             "stages": stages, "outputs": dict(sorted(outputs.items())), "verify": verify}
 
 
+def not_in_cache(store, stages) -> list[str]:
+    """Of the manifest's stages, those up to date in build/ (cached) whose record the cache lacks:
+    an emptied cache, or another CUDABUILD_CACHE_DIR than the one that built build/. Such a build
+    restored nothing and the cache saved it nothing; a change rebuilds those stages from scratch."""
+    return [f"{s['stage']}.{s['method']}" if s["method"] else s["stage"] for s in stages
+            if s["status"] == "cached" and s.get("key") and store.locate_record(s["key"])[0] is None]
+
+
 def write(runner) -> dict:
     """After every stage succeeded: manifest.json, the build log, and no stale failure reports."""
     data = manifest(runner)

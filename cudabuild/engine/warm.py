@@ -44,6 +44,7 @@ import importlib.machinery
 import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -293,24 +294,85 @@ def hang_up(conn: socket.socket, seconds: float = HANG_UP_SECONDS) -> bool:
 
 
 def running() -> list[dict]:
-    """The warm processes of this user that answer: each one's cache, pid, modules, socket."""
+    """The warm processes of this user: each one's cache, pid, modules, socket, and `starting`
+    (True while its imports run: it answers no call yet, and its socket is not there yet)."""
     found = []
     for sidecar in sorted(folder().glob("*.json")):
         sock = sidecar.with_suffix(".sock")
         try:
             process = json.loads(sidecar.read_text())
-            os.kill(int(process["pid"]), 0)  # alive (signal 0 delivers nothing)
+            alive = _alive(int(process["pid"])) and _is_server(int(process["pid"]))
         except (OSError, ValueError, KeyError):
             continue
-        if sock.exists():
-            found.append(dict(process, socket=str(sock)))
+        if alive:
+            found.append(dict(process, socket=str(sock), starting=not sock.exists()))
     return found
 
 
 def stop(process: dict) -> None:
-    """Ask a warm process to go: it sees its socket gone, finishes the calls it is running, exits."""
+    """Ask a warm process to go: it sees its socket gone, finishes the calls it is running, exits.
+    One still starting has no socket to remove and serves nothing yet: it and its importing worker
+    (its own session, started so) are ended."""
+    if process.get("starting"):
+        with contextlib.suppress(OSError):
+            os.killpg(int(process["pid"]), signal.SIGTERM)
+        return
     with contextlib.suppress(OSError):
         Path(process["socket"]).unlink()
+
+
+def wait_gone(processes: Sequence[dict], seconds: float) -> list[dict]:
+    """Those of `processes` still alive after waiting up to `seconds` for them to exit (a server
+    notices its socket gone within a second, then ends its waiting workers; a call being served
+    finishes first)."""
+    deadline = time.monotonic() + seconds
+    left = list(processes)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if _alive(int(p["pid"]))]
+    return left
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident bytes of a warm process and of its workers (what it holds while idle), 0 if gone."""
+    total = 0
+    for one in [pid, *_children(pid)]:
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{one}/statm") as statm:
+                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            return [int(c) for c in children.read().split()]
+    except OSError:
+        return []
+
+
+def _is_server(pid: int) -> bool:
+    """Whether the pid is a warm server's still (not a pid the system gave to another process since)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return SERVER.name.encode() in cmdline.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: trust the sidecar
+        return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs: signal 0 reaches it, and it is not a zombie its new parent has yet
+    to reap (a server outlives the build that started it)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except OSError:  # another user's (EPERM), or no /proc: alive as far as we can tell
+        return True
 
 
 @contextlib.contextmanager

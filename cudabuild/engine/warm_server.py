@@ -282,7 +282,8 @@ def _serve(path: str, idle: float, modules: list[str], mode_file: str) -> None:
         if not workers:
             print("warm: no worker left to serve (idle, or their imports kept failing): exiting", flush=True)
             break
-        readable, _, _ = select.select([w.channel for w in workers], [], [], 5.0)
+        # Wake each second: a server whose socket was removed (`cudabuild warm stop`) goes promptly.
+        readable, _, _ = select.select([w.channel for w in workers], [], [], 1.0)
         for worker in [w for w in workers if w.channel in readable]:
             was = worker.state
             if not worker.read():

@@ -25,16 +25,37 @@ from doit.reporter import ConsoleReporter
 
 from cudabuild.engine import interrupt
 from cudabuild.engine.console import terminal
+from cudabuild.engine.explain import not_cached_words
 
 TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
 
 # task name -> seconds its stage took last time, or None; set by cudabuild.doit_tasks.
 _expected: Callable[[str], Optional[float]] = lambda name: None
+# task name -> (status, seconds) of what its stage did in this build (its stamp), or None; set likewise.
+_outcome: Callable[[str], Optional[tuple[str, float]]] = lambda name: None
 
 
 def set_expectations(lookup: Callable[[str], Optional[float]]) -> None:
     global _expected
     _expected = lookup
+
+
+def set_outcomes(lookup: Callable[[str], Optional[tuple[str, float]]]) -> None:
+    global _outcome
+    _outcome = lookup
+
+
+def done_words(elapsed: float, outcome: Optional[tuple[str, float]]) -> str:
+    """How a finished stage's line reads. The elapsed time runs from the stage's start here, so it
+    holds what came before the stage's own work (the worker importing torch, waiting for its turn
+    or for a warm process); the summary's seconds are that own work alone, so the line names both."""
+    status, own = outcome or ("ran", None)
+    verb = {"ran": "done", "restored": "restored", "remote": "restored from the shared cache",
+            "cached": "up to date"}.get(status, "done")
+    words = f"{verb} in {elapsed:.1f}s"
+    if own is not None and elapsed - own >= 0.1:
+        words += f" ({own:.1f}s running, {elapsed - own:.1f}s importing and waiting)"
+    return words
 
 
 def _stage_id(task_name: str) -> str:
@@ -75,7 +96,7 @@ class PlainProgress:
             return
         stop.set()
         if ok:
-            self.stream.write(f"  {_stage_id(name)} done in {time.monotonic() - started:.1f}s\n")
+            self.stream.write(f"  {_stage_id(name)} {done_words(time.monotonic() - started, _outcome(name))}\n")
 
     def close(self) -> None:
         for name in list(self._running):
@@ -108,8 +129,9 @@ class LiveProgress:
         if task is None:
             return
         self._progress.remove_task(task)
-        mark = "[green]done[/green]" if ok else "[red]failed[/red]"
-        self._progress.console.print(f"  {_label(name):<20} {mark} in {time.monotonic() - started:.1f}s")
+        elapsed = time.monotonic() - started
+        words = f"[green]{done_words(elapsed, _outcome(name))}[/green]" if ok else f"[red]failed[/red] in {elapsed:.1f}s"
+        self._progress.console.print(f"  {_label(name):<20} {words}")
         if not self._tasks:
             self._progress.stop()
 
@@ -182,23 +204,27 @@ def failure_lines(log: Optional[Path], cwd: Optional[Path] = None) -> str:
     return f"\n  log: {shown}" + "".join(f"\n  | {line}" for line in tail)
 
 
-def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None, shown: Optional[dict] = None) -> None:
+def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None, shown: Optional[dict] = None,
+                  not_cached: tuple = ()) -> None:
     """The build's summary. `shown`: how to show an option's value where it needs words
-    (`layers=0 (every layer)`); the manifest's value otherwise."""
+    (`layers=0 (every layer)`); the manifest's value otherwise. `not_cached`: the stages up to
+    date in build/ that the cache does not hold (engine.manifest.not_in_cache): the cache saved
+    nothing there, and the summary says so."""
     out = out or terminal.out()
     shown = shown or {}
     rows = manifest["stages"]
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("ran", "restored", "remote", "cached")}
-    saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in rows if r["status"] != "ran")
+    served = [r for r in rows if r["status"] != "ran" and _stage_name(r) not in not_cached]
+    saved = sum(r.get("saved_seconds", 0.0) or 0.0 for r in served)
     out.write(f"\n{manifest['model']} / {manifest['target']}\n")
     options = {k: v for k, v in (manifest.get("options") or {}).items() if v != ""}
     if options:  # the values the build used, defaults and what the checkpoint implied included
         out.write("  options: " + ", ".join(f"{k}={shown.get(k, v)}" for k, v in options.items()) + "\n")
     width = max([10] + [len(r["stage"]) + 2 for r in rows])  # a stage kind with a long name keeps its column
-    out.write(f"  {'stage':<{width}}{'method':<12}{'status':<10}{'seconds':>9}\n")
+    out.write(f"  {'stage':<{width}}{'method':<12}{'status':<10}{'running s':>10}\n")
     for r in rows:
         note = f"  {r['note']}" if r.get("note") else ""
-        out.write(f"  {r['stage']:<{width}}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>9.1f}{note}\n")
+        out.write(f"  {r['stage']:<{width}}{r['method'] or '-':<12}{r['status']:<10}{r['seconds']:>10.1f}{note}\n")
     out.write(
         f"  ran {counts['ran']}, restored {counts['restored']}, "
         + (f"from remote {counts['remote']}, " if counts["remote"] else "")
@@ -212,5 +238,11 @@ def print_summary(manifest: dict, elapsed: float, build_dir: Path, out=None, sho
         where = build_dir.relative_to(Path.cwd())
     except ValueError:
         where = build_dir
+    if not_cached:
+        out.write(f"  {not_cached_words(str(where), len(not_cached), counts['cached'])}\n")
     out.write(f"  outputs in {where}/: {', '.join(manifest['outputs']) or 'none'}\n")
     out.flush()
+
+
+def _stage_name(row: dict) -> str:
+    return f"{row['stage']}.{row['method']}" if row["method"] else row["stage"]

@@ -12,7 +12,11 @@ import html
 import time
 from typing import Optional
 
-STATUS_MARK = {"ran": "ran", "restored": "rest", "remote": "remote", "cached": "-"}
+# What a cell says of a stage in a build; LEGEND says it in words under the table.
+STATUS_MARK = {"ran": "ran", "restored": "restored", "remote": "remote", "cached": "cached"}
+LEGEND = ("ran: the stage executed, its seconds before it; restored: copied from the cache into build/; "
+          "remote: from the shared cache; cached: up to date in build/, nothing done; "
+          "total: the seconds shown, added up")
 # One colour per stage kind, in pipeline order (a qualitative palette that stays legible in grey).
 COLOURS = {"probe": "#999999", "export": "#4e79a7", "edge": "#59a14f", "compile": "#e15759",
            "blob": "#edc948", "package": "#f28e2b", "verify": "#76b7b2"}
@@ -56,12 +60,16 @@ def table(builds: list[dict]) -> list[str]:
         cells = []
         for build_cells in cells_of:
             seconds, status = build_cells.get(sid, (0.0, ""))
-            mark = STATUS_MARK.get(status, status)
-            cells.append(f"{(f'{seconds:.1f}s ' if status == 'ran' else '') + mark:>22}")
+            mark = STATUS_MARK.get(status, status)  # "" where the build had no such stage
+            cells.append(f"{(f'{seconds:.1f}s ' if status in _TIMED else '') + mark:>22}")
         lines.append(sid.ljust(width) + "".join(cells))
-    totals = [sum(seconds for seconds, _ in c.values()) for c in cells_of]
+    totals = [sum(seconds for seconds, status in c.values() if status in _TIMED) for c in cells_of]
     lines.append("total".ljust(width) + "".join(f"{f'{t:.1f}s':>22}" for t in totals))
-    return lines
+    return lines + [LEGEND]
+
+
+# The statuses whose seconds a cell shows: the stage did something in that build (a cached one did nothing).
+_TIMED = ("ran", "restored", "remote")
 
 
 def svg(builds: list[dict], title: str) -> str:
