@@ -34,7 +34,7 @@ def main(model: str, target: str) -> int:
     output = lambda stage, name: store.read_bytes(stamp(stage)["outputs"][name])
     start = time.monotonic()
     programs = {m: load_program(lambda name, m=m: output(f"export.{m}", name)) for m in methods}
-    compiled = {m: delegate.Compiled(output(f"compile.{m}", "model.so"), output(f"compile.{m}", "weights.blob")) for m in methods}
+    compiled = {m: delegate.Compiled(output(f"blob.{m}", "model.so"), output(f"blob.{m}", "weights.blob")) for m in methods}
     specs = {m: package["inputs"]["methods"][m]["specs"] for m in methods}
     with tempfile.TemporaryDirectory() as out:
         files = write_package(programs, compiled, specs, target, json.loads(output(f"export.{methods[0]}", "metadata.json")),

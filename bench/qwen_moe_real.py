@@ -91,7 +91,7 @@ class Watch:
 
     def running(self) -> list[str]:
         work = self.cache / "work"
-        return sorted(p.name.rsplit("-", 1)[0] for p in work.iterdir()) if work.exists() else []
+        return sorted(p.name.split("-")[0] for p in work.iterdir()) if work.exists() else []
 
     def _loop(self) -> None:
         seen, tick = 0, 0

@@ -214,12 +214,13 @@ def processes_marked(mark: str) -> list[Process]:
 COMPILERS = ("g++", "c++", "gcc", "cc1plus", "cc1", "as", "collect2", "ld", "clang++")
 
 
-def stage_running_for(tmpdir: Path, stage_id: str, seconds: float) -> Callable[[], bool]:
-    """True once the stage's work directory (made when its function starts) is `seconds` old."""
+def stage_running_for(workdirs: Path, stage_id: str, seconds: float) -> Callable[[], bool]:
+    """True once the stage's work directory (made in the cache's `work/` when its function starts)
+    is `seconds` old."""
     seen: list[float] = []
 
     def ready() -> bool:
-        if not seen and any(tmpdir.glob(f"cudabuild-{stage_id}-*")):
+        if not seen and any(workdirs.glob(f"{stage_id}-*")):
             seen.append(time.monotonic())
         return bool(seen) and time.monotonic() - seen[0] >= seconds
 

@@ -134,9 +134,11 @@ class FakeTerminal(io.StringIO):
         return True
 
 
-def test_a_terminal_gets_rich_live_lines_with_the_last_runs_time():
+def test_a_terminal_gets_rich_live_lines_with_the_last_runs_time(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm-256color")  # the terminal a live display is for (not the test run's)
     stream = FakeTerminal()
     assert live_terminal(stream, {}) and not live_terminal(stream, {"CI": "true"}) and not live_terminal(io.StringIO(), {})
+    assert not live_terminal(stream, {"TERM": "dumb"})  # no cursor to move: plain lines
     progress = LiveProgress(stream)
     progress.start("export:compile.decode", 76.0)
     assert shows(stream, "last run 76s")  # drawn by rich's refresh thread

@@ -58,9 +58,8 @@ def records(project: Project) -> dict[str, str]:
 ])
 def test_sigkill_during_a_stage_then_rebuild_matches_a_clean_build(built_tiny, tiny_copy, tmp_path, stage, after):
     forget(tiny_copy, stage)
-    workdirs = tmp_path / "tmp"
-    workdirs.mkdir()
-    build = start_export(tiny_copy, tmp_path / "killed.log", TMPDIR=workdirs)
+    workdirs = tiny_copy.cache / "work"  # the stages' work folders, beside the cache
+    build = start_export(tiny_copy, tmp_path / "killed.log")
     assert kill_when(build, stage_running_for(workdirs, stage, after)), build.output()[-3000:]
     assert not (build_dir(tiny_copy) / ".stamps" / f"{stage}.json").exists(), "the kill came after the stage ended"
     assert stage not in records(tiny_copy).values()

@@ -31,6 +31,7 @@ import dataclasses
 import fcntl
 import importlib
 import itertools
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -134,7 +135,8 @@ def run_here(job: Job) -> Iterator[Made]:
     # Beside the cache, on its filesystem: what the stage writes is moved into the cache, not copied.
     work = job.store.root / "work"
     work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{job.stage.id}-", dir=work) as tmp:
+    # Named by its process, so that what a killed stage leaves is swept (Store.sweep_orphans).
+    with tempfile.TemporaryDirectory(prefix=f"{job.stage.id}-{os.getpid()}-", dir=work) as tmp:
         ctx = job.context(Path(tmp))
         with terminal.capture(job.log) if job.log is not None else contextlib.nullcontext():
             # The stage's module, and what it imports at its top, loads before the stage waits
@@ -148,7 +150,7 @@ def run_here(job: Job) -> Iterator[Made]:
                         result: StageResult = module.run(ctx)
                     except Exception as e:
                         # A full disk says so the same way in every stage (inductor's own error wraps it).
-                        full = room.disk_full(e)
+                        full = room.disk_full(e, job.store.root)
                         if full is not None and not isinstance(e, (room.DiskFull, CacheUnwritable)):
                             raise room.full_disk_error(job.stage.id, full, job.store.root) from e
                         raise

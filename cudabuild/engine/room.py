@@ -76,10 +76,11 @@ def check(weights_bytes: Optional[int], cache: Path, build: Path, what: str, wei
                              "to a disk with room")
 
 
-def disk_full(error: BaseException) -> Optional[OSError]:
+def disk_full(error: BaseException, cache: Optional[Path] = None) -> Optional[OSError]:
     """The full-disk OSError behind `error` (it, its cause or context, or a wrapped one whose
-    message says `[Errno 28]`), or None."""
-    seen = set()
+    message says `[Errno 28]`), or None. Some writers say no errno (torch.save: "unexpected pos"):
+    with `cache`, a disk there with less than 1 MiB free is taken for the cause too."""
+    seen, first = set(), error
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
@@ -87,12 +88,22 @@ def disk_full(error: BaseException) -> Optional[OSError]:
         if "[Errno 28]" in str(error) or "No space left on device" in str(error):
             return OSError(errno.ENOSPC, "No space left on device")
         error = error.__cause__ or error.__context__
+    if cache is not None and isinstance(first, (OSError, RuntimeError)):
+        try:
+            if _free(cache) < 1 << 20:
+                return OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            pass
     return None
 
 
 def full_disk_error(stage: str, error: OSError, cache: Path) -> DiskFull:
-    """The one line every stage that meets a full disk says."""
-    where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-    return DiskFull(f"stage {stage}", f"its disk is full{where}",
-                    fix=f"free space there (cudabuild cache gc --max-size SIZE for the cache at {cache}) or set "
-                        "CUDABUILD_CACHE_DIR to a disk with room; the next build resumes from the stages that finished")
+    """The one line every stage that meets a full disk says: the cache's writer's words
+    (cudabuild.engine.store), naming the disk that filled."""
+    filename = getattr(error, "filename", None)
+    where, fix = f"the cache at {cache}", "free space there (cudabuild cache gc --max-size SIZE) or set CUDABUILD_CACHE_DIR to a disk with room"
+    if filename and _device(Path(filename)) != _device(cache):
+        where = str(Path(filename).parent)
+        fix = "free space there, or set CUDABUILD_INDUCTOR_DIR (the compiles' folders) to a disk with room"
+    return DiskFull(f"cannot write to {where} while running stage {stage}",
+                    f"its disk is full ({error.strerror or 'No space left on device'})", fix=fix)

@@ -118,6 +118,16 @@ def has_holes(path) -> bool:
             return False
 
 
+def is_written(f, offset: int, length: int) -> bool:
+    """Whether bytes [offset, offset + length) of the open file `f` are all data, no hole among
+    them (where the filesystem cannot say: True)."""
+    try:
+        return (os.lseek(f.fileno(), offset, os.SEEK_DATA) == offset
+                and os.lseek(f.fileno(), offset, os.SEEK_HOLE) >= offset + length)
+    except (AttributeError, OSError):  # ENXIO: only a hole from offset to the end
+        return not hasattr(os, "SEEK_DATA")
+
+
 class RegionHasher:
     """The sha256 of a region's bytes as they are produced, chunk by chunk, and whether they are
     all zeros (ZEROS): what a producer hands put_file as a digested region."""

@@ -166,8 +166,8 @@ class Store:
         bytes are no longer held, or the file then is not what its producer hashed."""
         with open(path, "r+b") as out:
             for offset, length, raw_sha in regions:
-                if raw_sha == spans.ZEROS or length < spans.MIN_REGION:
-                    continue  # zeros read as zeros; small regions were written
+                if raw_sha == spans.ZEROS or length < spans.MIN_REGION or spans.is_written(out, offset, length):
+                    continue  # zeros read as zeros; small regions, and those the store lacked, were written
                 parts = self._locate(raw_sha, length)
                 if parts is None:
                     raise spans.SparseNotKept(f"{Path(path).name} leaves out bytes the store no longer holds; build again")
@@ -629,9 +629,24 @@ class Store:
                 found.append((path, stat.st_size))
         return found
 
+    def orphan_work(self) -> list[tuple[Path, int]]:
+        """The work folders (`work/<stage>-<pid>-*`) of stages whose process is gone (killed), with
+        their bytes: what a stage was writing when it died, never stored."""
+        found = []
+        for folder in sorted((self.root / "work").glob("*-*-*")):
+            pid = folder.name.split("-")[1]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+            found.append((folder, size))
+        return found
+
     def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
-        """Delete the orphan_files; (files, bytes) deleted."""
+        """Delete the orphan_files, and the work folders of killed stages; (files, bytes) deleted."""
         files = swept = 0
+        for folder, size in self.orphan_work():
+            shutil.rmtree(folder, ignore_errors=True)
+            files, swept = files + 1, swept + size
         for path, size in self.orphan_files(min_age_s, now):
             try:
                 path.unlink()
@@ -646,6 +661,16 @@ class Store:
 
     def close(self) -> None:
         self.cache.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _doc_what(name: str) -> str:

@@ -68,7 +68,9 @@ def _label(task_name: str) -> str:
 
 def live_terminal(stream=None, environ=os.environ) -> bool:
     stream = stream or terminal.out()
-    return bool(getattr(stream, "isatty", lambda: False)()) and environ.get("CI", "").lower() not in ("1", "true")
+    # A terminal that cannot move its cursor (TERM=dumb: Emacs' shell, some CI) gets plain lines.
+    return (bool(getattr(stream, "isatty", lambda: False)()) and environ.get("CI", "").lower() not in ("1", "true")
+            and environ.get("TERM", "") != "dumb")
 
 
 class PlainProgress:
