@@ -132,6 +132,8 @@ class GcReport:
     dangling_records: int = 0
     orphan_files: int = 0
     orphan_bytes: int = 0
+    work_folders: int = 0  # work folders of killed stages (Store.orphan_work)
+    work_bytes: int = 0
     size_after: int = 0
     pinned_bytes: int = 0
     pinned_blobs: int = 0
@@ -166,6 +168,9 @@ class GcReport:
         if self.orphan_files:
             out.append(f"{deleted} {plural(self.orphan_files, 'orphaned file')} ({format_bytes(self.orphan_bytes)}) "
                        f"that killed cache writes left behind")
+        if self.work_folders:
+            out.append(f"{deleted} {plural(self.work_folders, 'work folder')} ({format_bytes(self.work_bytes)}) "
+                       f"that killed stages left behind")
         if self.max_bytes is not None and self.pinned_bytes > self.max_bytes:
             out.append(f"note: what build/ references alone is over the limit; {was_kept} "
                        "(delete build/<model> folders to release it)")
@@ -211,11 +216,14 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
             total -= sum(e.bytes for e in entries if e.key in dangling)
         orphans = store.orphan_files(now=now)
         report.orphan_files, report.orphan_bytes = len(orphans), sum(size for _, size in orphans)
+        work = store.orphan_work()
+        report.work_folders, report.work_bytes = len(work), sum(size for _, size in work)
         report.size_after = total - beside_left
         return report
     if report.evicted_blobs:
         report.dangling_records = len(_drop_dangling_records(store))
     report.orphan_files, report.orphan_bytes = store.sweep_orphans(now=now)
+    report.work_folders, report.work_bytes = store.sweep_work()
     report.size_after = store.size()
     return report
 

@@ -641,12 +641,17 @@ class Store:
             found.append((folder, size))
         return found
 
-    def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
-        """Delete the orphan_files, and the work folders of killed stages; (files, bytes) deleted."""
-        files = swept = 0
+    def sweep_work(self) -> tuple[int, int]:
+        """Delete the work folders of killed stages (orphan_work); (folders, bytes) deleted."""
+        folders = swept = 0
         for folder, size in self.orphan_work():
             shutil.rmtree(folder, ignore_errors=True)
-            files, swept = files + 1, swept + size
+            folders, swept = folders + 1, swept + size
+        return folders, swept
+
+    def sweep_orphans(self, min_age_s: float = ORPHAN_MIN_AGE_S, now: Optional[float] = None) -> tuple[int, int]:
+        """Delete the orphan_files; (files, bytes) deleted."""
+        files = swept = 0
         for path, size in self.orphan_files(min_age_s, now):
             try:
                 path.unlink()
