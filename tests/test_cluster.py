@@ -215,53 +215,6 @@ def test_a_worker_refuses_a_stage_it_would_key_differently(built_tiny, server, t
 
 
 @pytest.mark.slow
-def test_stages_spread_over_the_workers_gpu_stages_on_the_gpu_worker_each_key_built_once(built_tiny, server,
-                                                                                         dask_cluster, tmp_path):
-    wanted = seeded_without(built_tiny, server, ["edge.decode", "edge.prefill", "compile.decode", "compile.prefill"])
-    proj = new_project(tmp_path / "driver")  # a fresh machine: an empty cache, nothing built
-    dask = dask_cluster(proj)
-    env = proj.env(CUDABUILD_REMOTE=server.url)
-    result = proj.doit(*NIGHTLY, f"cluster={dask.address}", "resources=compile:GPU=1", env=env)
-    assert_ok(result)
-    build, = nightly_json(proj)["builds"]
-    statuses = proj.statuses()
-    # What had no record ran, once each, on the cluster; everything else came from the tier (the
-    # rebuilt compiles have the bytes they had, so package and verify kept their keys).
-    ran = {s for s, status in statuses.items() if status == "ran"}
-    assert ran == set(wanted) and set(statuses.values()) == {"ran", "remote"}
-    rows = {f"{r['stage']}.{r['method']}" if r["method"] else r["stage"]: r for r in proj.manifest()["stages"]}
-    assert {s: rows[s]["key"] for s in ran} == wanted  # compiles == unique keys
-    assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
-    placed = build["placement"]
-    assert set(placed) == ran and build["retried"] == {}
-    assert {placed["compile.decode"]["name"], placed["compile.prefill"]["name"]} == {"gpu"}  # GPU=1: the gpu worker only
-    assert {w["name"] for w in placed.values()} == {"gpu", "cpu"}  # the two edges, side by side
-    for worker in placed.values():
-        assert worker["pid"] == dask.workers[worker["name"]].pid and worker["host"] == socket.gethostname()
-    report = nightly_json(proj)["cluster"]
-    assert report["submitted"] == 4 and report["retried"] == []
-    assert {w["name"]: w["resources"] for w in report["workers"]} == {"gpu": {"GPU": 1.0}, "cpu": {}}
-    # trace.json: one process row per worker, holding the runs of the stages it ran.
-    events = json.loads((proj.build_dir / "trace.json").read_text())["traceEvents"]
-    rows_named = {e["args"]["name"].split()[1]: e["pid"] for e in events if e.get("ph") == "M"}
-    assert set(rows_named) == {"gpu", "cpu"}
-    for stage in ran:  # its span on the driver waits for the task; the worker's runs it
-        run_on = {e["pid"] for e in events if e["name"] == stage and e.get("args", {}).get("status") == "ran"}
-        assert rows_named[placed[stage]["name"]] in run_on, stage
-
-    # A no-op through the cluster sends no task and imports no torch in the driver; nor does a
-    # fresh machine, which restores everything from the tier.
-    for project in (proj, new_project(tmp_path / "fresh")):
-        driver = subprocess.run([sys.executable, "-c", DRIVER, *NIGHTLY, f"cluster={dask.address}"], cwd=project.root,
-                                env=project.env(CUDABUILD_REMOTE=server.url), capture_output=True, text=True, timeout=600)
-        assert_ok(driver)
-        torch_imported, peak_rss, rc = driver.stdout.split("DRIVER ")[1].split()[:3]
-        assert (torch_imported, rc) == ("False", "0") and int(peak_rss) < 300 * 2**20
-        assert nightly_json(project)["cluster"]["submitted"] == 0
-        assert set(project.statuses().values()) == ({"cached"} if project is proj else {"remote"})
-
-
-@pytest.mark.slow
 def test_a_worker_killed_mid_stage_is_retried_elsewhere_and_nothing_is_half_published(built_tiny, server,
                                                                                       dask_cluster, tmp_path):
     key = seeded_without(built_tiny, server, ["package"])["package"]
@@ -325,11 +278,12 @@ def test_a_local_cluster_runs_what_must_run_and_a_stage_failing_there_fails_its_
 
 # -- cold, on two workers: every stage's inputs made by another worker ------------------------------------
 
-# Where each kind of stage runs: compile on worker a, blob on b (the .so compile made on a), package
-# on a (the blobs b made), verify on b (the package a made); probe, export and edge wherever the
-# scheduler puts them. The workers offer A=1 and B=1, the command line asks for them.
-PINNED = {"a": ["--resources", "A=1"], "b": ["--resources", "B=1"]}
-CROSSED = "resources=compile:A=1,blob:B=1,package:A=1,verify:B=1"
+# Where each kind of stage runs: compile on the worker offering GPU=1 (the cuda rule, played), blob on
+# the other (the .so compile made there), package on the GPU worker (the blobs the other made), verify
+# on the other (the package the GPU worker made); probe, export and edge wherever the scheduler puts
+# them. The command line asks for the resources the workers offer.
+PINNED = {"gpu": ["--resources", "GPU=1"], "cpu": ["--resources", "B=1"]}
+CROSSED = "resources=compile:GPU=1,blob:B=1,package:GPU=1,verify:B=1"
 
 
 def assert_every_kind_read_another_workers_output(placement: dict) -> None:
@@ -347,22 +301,51 @@ def assert_built_as_a_local_cold_build(project: Project, local: Project) -> None
         assert (project.build_dir / name).read_bytes() == (local.build_dir / name).read_bytes(), name
 
 
-def cold_nightly_on_two_workers(project: Project, env: dict, dask_on) -> dict:
+def cold_nightly_on_two_workers(project: Project, env: dict, dask_on) -> tuple[dict, DaskCluster]:
     dask = dask_on(project, env, PINNED)
     assert_ok(project.doit(*NIGHTLY, f"cluster={dask.address}", CROSSED, env=env))
     assert set(project.statuses().values()) == {"ran"}
     build, = nightly_json(project)["builds"]
     assert build["status"] == "ok" and build["retried"] == {}
-    return build
+    return build, dask
 
 
 @pytest.mark.slow
 def test_a_cold_build_on_two_workers_through_redis_is_byte_identical_to_a_local_one(built_tiny, server, dask_on,
                                                                                    tmp_path):
-    proj = new_project(tmp_path / "driver")
-    build = cold_nightly_on_two_workers(proj, proj.env(CUDABUILD_REMOTE=server.url), dask_on)
-    assert_every_kind_read_another_workers_output(build["placement"])
+    """Every stage ran once, on the cluster, on the worker its kind asks for; the bytes are a local
+    build's; the trace has a row per worker; a no-op sends nothing and imports no torch."""
+    proj = new_project(tmp_path / "driver")  # a fresh machine: an empty cache, nothing built
+    build, dask = cold_nightly_on_two_workers(proj, proj.env(CUDABUILD_REMOTE=server.url), dask_on)
+    placed = build["placement"]
+    assert set(placed) == set(STAGES)
+    assert_every_kind_read_another_workers_output(placed)
+    assert {placed["compile.decode"]["name"], placed["compile.prefill"]["name"]} == {"gpu"}  # GPU=1: that worker only
+    for worker in placed.values():
+        assert worker["pid"] == dask.workers[worker["name"]].pid and worker["host"] == socket.gethostname()
     assert_built_as_a_local_cold_build(proj, built_tiny)
+    report = nightly_json(proj)["cluster"]
+    assert report["submitted"] == len(STAGES) and report["retried"] == []  # each key built once
+    assert {w["name"]: w["resources"] for w in report["workers"]} == {"gpu": {"GPU": 1.0}, "cpu": {"B": 1.0}}
+    # trace.json: one process row per worker, holding the runs of the stages it ran.
+    events = json.loads((proj.build_dir / "trace.json").read_text())["traceEvents"]
+    rows_named = {e["args"]["name"].split()[1]: e["pid"] for e in events if e.get("ph") == "M"}
+    assert set(rows_named) == {"gpu", "cpu"}
+    for stage in placed:  # its span on the driver waits for the task; the worker's runs it
+        run_on = {e["pid"] for e in events if e["name"] == stage and e.get("args", {}).get("status") == "ran"}
+        assert rows_named[placed[stage]["name"]] in run_on, stage
+
+    # A no-op through the cluster sends no task and imports no torch in the driver; nor does a
+    # fresh machine, which restores everything from the tier.
+    for project in (proj, new_project(tmp_path / "fresh")):
+        driver = subprocess.run([sys.executable, "-c", DRIVER, *NIGHTLY, f"cluster={dask.address}", CROSSED],
+                                cwd=project.root, env=project.env(CUDABUILD_REMOTE=server.url),
+                                capture_output=True, text=True, timeout=600)
+        assert_ok(driver)
+        torch_imported, peak_rss, rc = driver.stdout.split("DRIVER ")[1].split()[:3]
+        assert (torch_imported, rc) == ("False", "0") and int(peak_rss) < 300 * 2**20
+        assert nightly_json(project)["cluster"]["submitted"] == 0
+        assert set(project.statuses().values()) == ({"cached"} if project is proj else {"remote"})
 
 
 @pytest.mark.slow
@@ -370,7 +353,7 @@ def test_a_cold_build_on_two_workers_through_s3_is_byte_identical_to_a_local_one
                                                                                 tmp_path):
     proj = new_project(tmp_path / "driver")
     url = s3_server.url("cluster")
-    build = cold_nightly_on_two_workers(proj, proj.env(CUDABUILD_REMOTE=url, **s3_server.env()), dask_on)
+    build, _ = cold_nightly_on_two_workers(proj, proj.env(CUDABUILD_REMOTE=url, **s3_server.env()), dask_on)
     assert_every_kind_read_another_workers_output(build["placement"])
     assert_built_as_a_local_cold_build(proj, built_tiny)
     # What the workers published is in the object store: every stage's record, each blob once.

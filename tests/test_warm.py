@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cudabuild.engine import warm, warm_server
+from _faults import forget
 from conftest import assert_ok
 
 CALLS = '''
@@ -339,17 +340,17 @@ def test_a_stage_run_warm_is_the_stage_run_here(tiny_copy, tmp_path):
         assert tiny_copy.manifest()["outputs"] == cold.manifest()["outputs"]
         # Spare mode (what the GPU machine gets, asked for here): a build of two workers starts
         # the server at its first stage that must run, which then runs in a spare that had
-        # imported torch, and gives the same bytes.
-        third = "decode.compile_wrapper_opt_level=O1"
+        # imported torch, and gives the same bytes. (The compile forgotten, so that it runs again.)
+        forget(tiny_copy, "compile.decode")
         # (Three spares said outright: the default follows the cores, and this test the log line.)
         spares_env = dict(warm_env, CUDABUILD_WARM_MODE="spares", CUDABUILD_WARM_SPARES="3")
-        assert_ok(tiny_copy.doit("-n", "2", "export", "model=tiny_lm", "target=cpu", third, env=spares_env))
+        assert_ok(tiny_copy.doit("-n", "2", "export", "model=tiny_lm", "target=cpu", second, env=spares_env))
+        assert tiny_copy.stamp("compile.decode")["status"] == "ran"
         compile_span, inside = _compile_decode(tiny_copy)
         assert compile_span["args"]["warm"] not in (None, server)
         assert inside.get("import", 0.0) < 1.0, inside
         assert "3 spares" in "".join(p.read_text() for p in warm.folder().glob("*.log")
                                        if f"pid {compile_span['args']['warm']})" in p.read_text())
-        assert_ok(cold.export("model=tiny_lm", "target=cpu", third))
         assert tiny_copy.manifest()["outputs"] == cold.manifest()["outputs"]
     finally:
         tiny_copy.cudabuild("warm", "stop", CUDABUILD_WARM="1")
