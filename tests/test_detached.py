@@ -15,7 +15,7 @@ from conftest import assert_ok
 
 pytestmark = pytest.mark.slow
 SETTINGS = ("model=tiny_lm", "target=cpu")
-O0 = "compile_wrapper_opt_level=O0"  # a spec change: compile, package and verify run again
+O0 = "decode.compile_wrapper_opt_level=O0"  # a spec change: decode's compile and verify, and package, run again
 
 
 def _alive_in_group(pgid: int) -> list[str]:
@@ -49,10 +49,12 @@ def test_a_detached_build_finishes_after_its_command_returned_and_one_killed_mid
     assert json.loads((tiny_copy.build_dir / "detached.json").read_text())["rc"] == 0
     assert "verify" in (tiny_copy.build_dir / "detached.log").read_text()
 
+    # (The copy holds the logs of the build it was copied from: the compile's is written again when it runs.)
+    log = killed.build_dir / "logs" / "compile.decode.log"
+    before = log.stat().st_mtime_ns
     killed.cudabuild("start", *SETTINGS, O0)
     record = json.loads((killed.build_dir / "detached.json").read_text())
-    logs = killed.build_dir / "logs"
-    _wait_for(lambda: any(p.stat().st_size for p in logs.glob("compile.*.log")), 600, "a compile to start")
+    _wait_for(lambda: log.exists() and log.stat().st_mtime_ns > before, 600, "the compile to start")
     os.killpg(record["pid"], signal.SIGKILL)
     _wait_for(lambda: not _alive_in_group(record["pid"]), 30, "the build's processes to end")
     assert killed.cudabuild("status", *SETTINGS, O0).stdout.startswith("died")
