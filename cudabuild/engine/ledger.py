@@ -27,17 +27,9 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
+from cudabuild.engine import processes
+
 POLL_S = 0.25
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
 
 
 @contextlib.contextmanager
@@ -54,8 +46,8 @@ def _locked(path: Path) -> Iterator[dict]:
             state = {}
         state.setdefault("in", {})
         state.setdefault("waiting", [])
-        state["in"] = {t: e for t, e in state["in"].items() if isinstance(e, dict) and _alive(int(e.get("pid", 0)))}
-        state["waiting"] = [w for w in state["waiting"] if isinstance(w, list) and len(w) == 2 and _alive(int(w[1]))]
+        state["in"] = {t: e for t, e in state["in"].items() if isinstance(e, dict) and processes.alive(int(e.get("pid", 0)))}
+        state["waiting"] = [w for w in state["waiting"] if isinstance(w, list) and len(w) == 2 and processes.alive(int(w[1]))]
         yield state
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(state, sort_keys=True))

@@ -42,7 +42,7 @@ from typing import Iterator, Optional
 import diskcache
 
 from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
-from cudabuild.engine import diskcache_rows, spans
+from cudabuild.engine import diskcache_rows, processes, spans
 from cudabuild.engine.console import terminal
 from cudabuild.engine.diskcache_rows import Entry
 from cudabuild.engine.files import atomic_copy, atomic_write, temporary_file
@@ -635,7 +635,7 @@ class Store:
         found = []
         for folder in sorted((self.root / "work").glob("*-*-*")):
             pid = folder.name.split("-")[1]
-            if not pid.isdigit() or _alive(int(pid)):
+            if not pid.isdigit() or processes.alive(int(pid)):
                 continue
             size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
             found.append((folder, size))
@@ -666,16 +666,6 @@ class Store:
 
     def close(self) -> None:
         self.cache.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _doc_what(name: str) -> str:

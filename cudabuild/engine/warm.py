@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from cudabuild.engine import warm_server
+from cudabuild.engine.processes import alive as process_alive
 from cudabuild.engine.hashing import digest
 
 ENV = "CUDABUILD_WARM"
@@ -301,7 +302,7 @@ def running() -> list[dict]:
         sock = sidecar.with_suffix(".sock")
         try:
             process = json.loads(sidecar.read_text())
-            alive = _alive(int(process["pid"])) and _is_server(int(process["pid"]))
+            alive = process_alive(int(process["pid"])) and _is_server(int(process["pid"]))
         except (OSError, ValueError, KeyError):
             continue
         if alive:
@@ -329,7 +330,7 @@ def wait_gone(processes: Sequence[dict], seconds: float) -> list[dict]:
     left = list(processes)
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = [p for p in left if _alive(int(p["pid"]))]
+        left = [p for p in left if process_alive(int(p["pid"]))]
     return left
 
 
@@ -359,19 +360,6 @@ def _is_server(pid: int) -> bool:
     except FileNotFoundError:
         return False
     except OSError:  # no /proc: trust the sidecar
-        return True
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process runs: signal 0 reaches it, and it is not a zombie its new parent has yet
-    to reap (a server outlives the build that started it)."""
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-    except OSError:  # another user's (EPERM), or no /proc: alive as far as we can tell
         return True
 
 
