@@ -31,8 +31,6 @@ import dataclasses
 import fcntl
 import importlib
 import itertools
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional, Protocol, Union
@@ -132,12 +130,8 @@ def key_lock(store, key: str):
 def run_here(job: Job) -> Iterator[Made]:
     """The stage function in this process, in a fresh work directory, once admitted; the work
     directory stays for the block, while the caller stores what it made."""
-    # Beside the cache, on its filesystem: what the stage writes is moved into the cache, not copied.
-    work = job.store.root / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    # Named by its process, so that what a killed stage leaves is swept (Store.sweep_orphans).
-    with tempfile.TemporaryDirectory(prefix=f"{job.stage.id}-{os.getpid()}-", dir=work) as tmp:
-        ctx = job.context(Path(tmp))
+    with job.store.work_folder(job.stage.id) as work:
+        ctx = job.context(work)
         with terminal.capture(job.log) if job.log is not None else contextlib.nullcontext():
             # The stage's module, and what it imports at its top, loads before the stage waits
             # for its turn (a worker's wait is spent importing), and prints into its log.

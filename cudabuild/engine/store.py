@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import sqlite3
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -629,9 +630,19 @@ class Store:
                 found.append((path, stat.st_size))
         return found
 
+    @contextlib.contextmanager
+    def work_folder(self, stage_id: str) -> Iterator[Path]:
+        """A fresh folder for a stage's files, deleted after the block: beside the cache, on its
+        filesystem, so that what the stage writes is moved into the cache, not copied; named by this
+        process (`work/<stage>-<pid>-*`), so that what a killed stage leaves is swept (orphan_work)."""
+        work = self.root / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"{stage_id}-{os.getpid()}-", dir=work) as folder:
+            yield Path(folder)
+
     def orphan_work(self) -> list[tuple[Path, int]]:
-        """The work folders (`work/<stage>-<pid>-*`) of stages whose process is gone (killed), with
-        their bytes: what a stage was writing when it died, never stored."""
+        """The work folders (work_folder) of stages whose process is gone (killed), with their
+        bytes: what a stage was writing when it died, never stored."""
         found = []
         for folder in sorted((self.root / "work").glob("*-*-*")):
             pid = folder.name.split("-")[1]
