@@ -74,10 +74,25 @@ def gpu_used() -> int | None:
         return None
 
 
+def host_used() -> int | None:
+    """The machine's memory in use, every process's (MemTotal - MemAvailable: the page cache a
+    mapped weights file lives in is not counted, as it is not on a desktop that runs out)."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0]) * 1024
+        return fields["MemTotal"] - fields["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 class Watch:
     """While the cold build runs: the disk's used bytes (the filesystem's, so the cache, build/,
-    the work folders, inductor's and Triton's folders and every temporary file count) sampled
-    every second, the GPU's used memory (NVML) every 2 s, and the stages' rows as each ends,
+    the work folders, inductor's and Triton's folders and every temporary file count), the GPU's
+    used memory (NVML, every process with its context) and the machine's memory in use, sampled
+    every second, each peak with the stages running then, and the stages' rows as each ends,
     saved to `live` each time (a build cut off still leaves its numbers)."""
 
     def __init__(self, live: Path, stamps: Path, cache: Path, build: Path, result: dict):
@@ -85,7 +100,8 @@ class Watch:
         self.start = time.monotonic()
         self.base = shutil.disk_usage(cache.parent).used
         self.peak = (0, 0.0, [])  # (bytes over the start, at second, the stages running then)
-        self.gpu_peak = 0
+        self.gpu_peak = (0, 0.0, [])  # the card's used memory (NVML, every process): bytes, at, running
+        self.host_peak = (0, 0.0, [])  # the machine's memory in use (MemTotal - MemAvailable): bytes, at, running
         self.samples: list = []
         self._stop = threading.Event()
 
@@ -101,10 +117,13 @@ class Watch:
             at = round(time.monotonic() - self.start, 1)
             if used > self.peak[0]:
                 self.peak = (used, at, self.running())
-            if tick % 2 == 0:
-                self.gpu_peak = max(self.gpu_peak, gpu_used() or 0)
+            gpu, host = gpu_used() or 0, host_used() or 0
+            if gpu > self.gpu_peak[0]:
+                self.gpu_peak = (gpu, at, self.running())
+            if host > self.host_peak[0]:
+                self.host_peak = (host, at, self.running())
             if tick % 10 == 0:
-                self.samples.append([at, round(used / 1e9, 2)])
+                self.samples.append([at, round(used / 1e9, 2), round(host / 2**30, 1), round(gpu / 2**30, 1)])
             count = len(list(self.stamps.glob("*.json"))) if self.stamps.exists() else 0
             if count != seen or tick % 30 == 0:
                 seen = count
@@ -114,7 +133,11 @@ class Watch:
         used, at, running = self.peak
         return {"peak_used_over_start": used, "peak_at_s": at, "peak_while": running,
                 "peak_over_bundle": round(used / bundle, 2) if bundle else None,
-                "gpu_used_peak_gib": round(self.gpu_peak / 2**30, 2), "samples_gb": self.samples}
+                "gpu_used_peak_gib": round(self.gpu_peak[0] / 2**30, 2), "gpu_peak_at_s": self.gpu_peak[1],
+                "gpu_peak_while": self.gpu_peak[2],
+                "host_used_peak_gib": round(self.host_peak[0] / 2**30, 2), "host_peak_at_s": self.host_peak[1],
+                "host_peak_while": self.host_peak[2],
+                "samples_disk_gb_host_gib_gpu_gib": self.samples}
 
     def stages(self) -> dict:
         return stage_rows(self.stamps)
@@ -143,6 +166,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--low-memory", default="ON")
     parser.add_argument("--budget", type=float, default=1500)
+    parser.add_argument("--new-seed", type=int, default=None,
+                        help="after the restore, the same build with seed=N: new weights for the same code (issue 57)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +205,15 @@ def main() -> None:
         restore = bench.build("restore", project, cache, *settings, env=env)
         result["noop"] = {"rc": noop["rc"], "seconds": noop["seconds"]}
         result["restore"] = {"rc": restore["rc"], "seconds": restore["seconds"], "statuses": restore.get("statuses")}
+        save()
+        if args.new_seed is not None and restore["rc"] == 0:
+            with Watch(out / "qwen_moe_real.seed.live.json", stamps, cache, project / "build", {}) as seeded:
+                reseed = bench.build("seed", project, cache, *settings, f"seed={args.new_seed}", env=env)
+            result["new_seed"] = {"seed": args.new_seed, "rc": reseed["rc"], "seconds": reseed["seconds"],
+                                  "of_cold": round(reseed["seconds"] / cold["seconds"], 3), "statuses": reseed.get("statuses"),
+                                  "stages": seeded.stages(),
+                                  "disk": seeded.disk_summary(bundle_bytes),
+                                  "stderr_tail": reseed["stderr_tail"] if reseed["rc"] else None}
     save()
     bench.save()
     shutil.rmtree(bench.work, ignore_errors=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cache_admin, cluster, executors, frames, history, interrupt, nightly, room, warm, workers
+from cudabuild.engine import cache_admin, cluster, executors, frames, history, interrupt, nightly, priority, room, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
@@ -280,10 +280,27 @@ def handle_interrupts() -> None:
     interrupt.install(_stages_done)
 
 
+# task name -> its rank (cudabuild.engine.priority), computed when doit first picks among ready tasks.
+_RANKS: dict = {}
+
+
+def _rank_of(task_name: str) -> float:
+    if not _RANKS and _STAGE_OF_TASK:
+        for runner in {id(r): r for r, _ in _STAGE_OF_TASK.values()}.values():
+            names = {stage: name for name, (r, stage) in _STAGE_OF_TASK.items() if r is runner}
+            ranked = priority.ranks(names, lambda s, r=runner: r.pipeline.dependencies(s, r.config),
+                                    lambda s, r=runner: history.expected_seconds(r, s))
+            _RANKS.update((names[stage], rank) for stage, rank in ranked.items())
+    return _RANKS.get(task_name, 0.0)
+
+
 def export_tasks(runner: Runner, group: str = "export", prefix: str = ""):
-    """The sub-tasks of one build, named `<group>:<prefix><stage>` (prefix: to hold several builds)."""
+    """The sub-tasks of one build, named `<group>:<prefix><stage>` (prefix: to hold several builds).
+    A free worker takes the ready one with the longest chain after it first (cudabuild.engine.priority)."""
     config = runner.config
     stages = runner.pipeline.plan(config)
+    priority.ordered_ready(_rank_of)
+    _RANKS.clear()
     for stage in stages:
         _STAGE_OF_TASK[f"{group}:{prefix}{stage.id}"] = (runner, stage)
         yield {

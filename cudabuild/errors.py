@@ -87,6 +87,18 @@ class NoGpu(CudabuildError):
     pass
 
 
+class DeviceTooSmall(CudabuildError):
+    """A stage needs more of a device than the device has: said before the stage starts."""
+
+    def __init__(self, stage: str, device: str, need: int, room: int, basis: str):
+        self.stage, self.device, self.need, self.room, self.basis = stage, device, need, room, basis
+        super().__init__(f"stage {stage} needs ~{need / 2**30:.1f} GiB of {device} memory ({basis}) and the device has "
+                         f"{room / 2**30:.1f} GiB for one stage", fix="build on a larger device, or with fewer layers")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.device, self.need, self.room, self.basis)
+
+
 class CorruptBlob(CudabuildError):
     """A stored blob no longer matches its sha256; it has been dropped and will be rebuilt.
 

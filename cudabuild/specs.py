@@ -174,6 +174,14 @@ def times_kernels(specs: Mapping[str, str], target: str) -> bool:
     return any((specs.get(k) or getattr(s, target)) == "ON" for k, s in SPEC_TABLE.items() if s.times_kernels)
 
 
+def compile_keeps_weights_on_host(specs: Mapping[str, str], target: str) -> bool:
+    """Whether a compile leaves the program's weights off the device (cudabuild.backend.lowmem):
+    with low_memory_mode=ON on a device, unless Triton's tuning runs the program itself
+    (autotune_at_compile_time=OFF: inductor's first pass runs it on its real weights). Unset, that
+    spec is torch's default for AOTInductor: tuning at compile time, on example values."""
+    return target != "cpu" and specs.get("low_memory_mode") == "ON" and specs.get("autotune_at_compile_time") != "OFF"
+
+
 def specs_for_stage(specs: Mapping[str, str], stage: str) -> dict[str, str]:
     """The subset of a method's specs that decides the given stage's output."""
     return {k: v for k, v in specs.items() if stage in SPEC_TABLE[k].stages}

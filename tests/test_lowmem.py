@@ -257,3 +257,69 @@ def test_a_program_that_calls_triton_kernels_keeps_its_kv_caches_under_low_memor
         assert calls_triton_kernels(ep) is triton
         moved = move_program_to_device(ep, "cpu", low_memory=True)
         assert (moved.state_dict["kv_cache"].untyped_storage().nbytes() > 0) is triton
+
+
+class NormedDecoder(torch.nn.Module):
+    """A KV cache, a linear, and a Gemma-style norm whose `1 + weight` reads a weight alone (the
+    kind of constant arithmetic fake-tensor propagation computes for real)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(8, 4))
+        self.register_buffer("codebook", torch.randn(4, 4))
+        self.proj = torch.nn.Linear(4, 4)
+        self.norm_weight = torch.nn.Parameter(torch.randn(4) * 0.1)
+
+    def forward(self, x, pos):  # x: [1, W], pos: [1]
+        self.k.index_copy_(0, pos, self.proj(x))
+        y = self.k.sum(0) @ self.codebook
+        return y * torch.rsqrt(y.pow(2).mean() + 1e-6) * (1.0 + self.norm_weight)
+
+
+def test_weights_left_on_the_host_compile_to_a_program_whose_blob_is_theirs(tmp_path):
+    """weights_on_device=False: every weight a device tensor with no storage; AOTInductor's own
+    blob never built (captured_table's keep_out); the table proven on the host tensors themselves;
+    the blob written from them runs as the model does."""
+    from cudabuild.backend import aoti_constants
+    from cudabuild.backend.lowmem import host_copy
+    from cudabuild.backend.stages.compile import _no_inlined_constants  # as the compile stage compiles
+
+    torch.manual_seed(0)
+    model, eager = NormedDecoder(), NormedDecoder()
+    eager.load_state_dict(model.state_dict())
+    inputs = (torch.randn(1, 4), torch.tensor([3]))
+    ep = torch.export.export(model, inputs)
+    program = {**ep.state_dict, **ep.constants}  # the program's tensors, as the store holds them
+    ep = move_program_to_device(ep, "cpu", low_memory=True, weights_on_device=False)
+    placed = {**ep.state_dict, **ep.constants}
+    for fqn in ("proj.weight", "proj.bias", "codebook", "norm_weight", "k"):
+        assert placed[fqn].untyped_storage().nbytes() == 0 and placed[fqn].shape == program[fqn].shape
+    assert host_copy(placed["proj.weight"]) is program["proj.weight"]  # its values: the program's own
+    assert host_copy(placed["k"]) is not None  # written, but this IR does not say: its initial values kept
+
+    with _no_inlined_constants(), compile_time_cpu_clones("cpu"), aoti_constants.captured_table(keep_out=True) as table:
+        files = torch._inductor.aot_compile(ep.module(), inputs,
+                                            options={**AOTI_OPTIONS, "aot_inductor.output_path": str(tmp_path)})
+    assert os.path.getsize(next(f for f in files if f.endswith(".blob"))) == 0  # never built
+    assert aoti_constants.source_problem(dict(table), table.sources, program) is None
+    assert {row["fqn"] for row in table["constants"]} >= {"proj.weight", "codebook", "norm_weight"}
+    blob = tmp_path / "ours.blob"
+    aoti_constants.write_blob(blob, dict(table), program)
+    assert blob.stat().st_size == table["size"]
+    so = next(f for f in files if f.endswith(".so"))
+    aoti_constants.promote_libtorch("cpu")
+    assert aoti_constants.so_table_problem(dict(table), aoti_constants.constants_table(so)) is None
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
+    runner.update_constant_buffer_from_blob(str(blob))
+    for pos in (3, 5, 3, 0):
+        x = torch.randn(1, 4)
+        p = torch.tensor([pos])
+        (out,) = runner.run([x, p])
+        torch.testing.assert_close(out, eager(x, p), rtol=1e-5, atol=1e-5)
+    release_device_tensors(ep)
+    assert host_copy(placed["proj.weight"]) is None  # forgotten with the program's device storage
+
+    # A blob from other bytes than the sources is named: the proof is not a formality.
+    other = dict(program, **{"proj.weight": torch.nn.Parameter(program["proj.weight"] + 1)})
+    assert aoti_constants.source_problem(dict(table), table.sources, other) == \
+        "the weights blob's bytes for proj.weight differ from the program's"

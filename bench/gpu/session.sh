@@ -10,8 +10,10 @@
 #   qwenweights  the same for qwen_moe tiny (its quantize stage reruns, by design)
 #   tests     the GPU tests of the cuda target
 #   real      bench/qwen_moe_real.py: the whole build at size=35b-a3b layers=$LAYERS (default 8), low_memory_mode ON,
-#             as on a card of $CAP (default 24GiB: CUDABUILD_DEVICE_MEMORY);
-#             then a no-op and a restore; per-stage seconds and peaks, disk
+#             as on a card of $CAP (default 24GiB: CUDABUILD_DEVICE_MEMORY) and, with HOSTMEM (64GiB), a host of
+#             that size (CUDABUILD_HOST_MEMORY); with CGROUP_MAX (56G) inside a cgroup of that memory.max where the
+#             machine lets one be made; then a no-op and a restore, and with NEWSEED=N a build of seed N;
+#             per-stage seconds and peaks; disk, host memory in use and the card's NVML use, sampled every second
 #   side      bench/qwen_moe_side_by_side.py: cudabuild cold against the stock exporter at 35b-a3b layers=$LAYERS (8)
 #   envelope  bench/qwen_moe_envelope.py: the references alone at 35b-a3b layers=$LAYERS (8): how far bf16 strays
 #             from the fp32 truth, per step; TOKENS=prefill=T0,T1 places a compiled build's picks among the truth's logits
@@ -36,6 +38,20 @@ export PATH=/tmp/site/bin:$PATH
 { nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   python3 -c "import importlib.metadata as m, torch, triton; print(torch.__version__, m.version(\"executorch\"), triton.__version__)"
 } > "$OUT/cases.txt" 2>&1
+# Run a command inside a fresh cgroup (v2) whose memory.max is $1, where the machine lets one be made
+# (a real limit on the build's host memory); else as it is. Says which in cases.txt.
+in_cgroup() {
+  local max=$1; shift
+  if [ -n "$max" ]; then
+    local cg=/sys/fs/cgroup/cudabuild-$$
+    if mkdir -p "$cg" 2>/dev/null && echo "$max" > "$cg/memory.max" 2>/dev/null && echo $BASHPID > "$cg/cgroup.procs" 2>/dev/null; then
+      echo "cgroup: $cg memory.max=$(cat "$cg/memory.max")" >> "$OUT/cases.txt"
+    else
+      echo "cgroup: none could be made here (memory.max=$max not applied)" >> "$OUT/cases.txt"
+    fi
+  fi
+  "$@"
+}
 started=$(date +%s)
 for case in "$@"; do
   left=$((BUDGET - ($(date +%s) - started)))
@@ -49,7 +65,8 @@ for case in "$@"; do
     qwenweights) timeout "$left" python3 bench/new_weights.py --target cuda --models qwen_moe --no-shared --out "$dir/r" ;;
     tests)    timeout "$left" python3 -m pytest -q tests/gpu -x ;;
     truth)    python3 bench/qwen_moe_truth.py --layers "${LAYERS:-4}" --budget "$left" --out "$dir/r" ;;
-    real)     CUDABUILD_DEVICE_MEMORY=${CAP-24GiB} python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
+    real)     CUDABUILD_DEVICE_MEMORY=${CAP-24GiB} CUDABUILD_HOST_MEMORY=${HOSTMEM-} in_cgroup "${CGROUP_MAX-}" \
+                python3 bench/qwen_moe_real.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ${NEWSEED:+--new-seed "$NEWSEED"} ;;
     side)     python3 bench/qwen_moe_side_by_side.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ;;
     envelope) python3 bench/qwen_moe_envelope.py --layers "${LAYERS:-8}" --budget "$left" --out "$dir/r" ${TOKENS:+--tokens "$TOKENS"} ;;
     realtest) timeout "$left" python3 -m pytest -q tests/gpu -k real_shapes -x ;;

@@ -8,11 +8,14 @@ constant is on the GPU, where they are packed (torch/_inductor/codecache.py, Aot
 So a blob is a function of the table (names, FQNs, sizes, order, layout) and the tensors' bytes:
 
 - `captured_table()` records the table inductor compiles (`table_of_graph`), with each constant's
-  program FQN, dtype, shape, strides and storage offset, as JSON (a compile's `constants.json`);
-- `blob_problem(blob, table, tensors)` says where a blob is not exactly the table applied to a
-  program's tensors (None: byte for byte, padding included): the compile stage asks it of
-  AOTInductor's own blob, which is what makes a table *rewritable*; that blob is held in memory
-  as inductor hands it to be written (`held_blob`) and never reaches the disk;
+  program FQN, dtype, shape, strides and storage offset, as JSON (a compile's `constants.json`),
+  and each constant's original value (what the blob holds) beside it; with `keep_out`, inductor's
+  serializer is handed none of those values, so AOTInductor's own blob is never built;
+- `source_problem(table, sources, tensors)` says where the blob those values make is not exactly
+  the table applied to a program's tensors (None: byte for byte, padding included), a value that
+  is the program's own tensor by identity, any other by its bytes: the compile stage asks it,
+  which is what makes a table *rewritable*; `blob_problem(blob, table, tensors)` asks the same of
+  a blob file (the blob stage's own compile, which keeps AOTInductor's blob);
 - `write_blob(path, table, tensors)` writes the blob the build keeps (cudabuild.backend.stages.blob),
   hashing it as it goes and leaving holes where the store holds a constant's bytes already, and
   `fit_problem` says first why a table cannot take the tensors;
@@ -141,7 +144,7 @@ def _aligned(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def table_of_graph(graph) -> dict:
+def table_of_graph(graph, sources: Optional[dict] = None) -> dict:
     """What decides the weights blob of the .so inductor is about to write for `graph` (a
     GraphLowering): its unfolded constants in order, each by name, program FQN, byte size (its
     whole storage), offset in the blob, dtype, shape, strides, storage offset and device; the
@@ -149,6 +152,8 @@ def table_of_graph(graph) -> dict:
     flat = getattr(graph, "dynamo_flat_name_to_original_fqn", {}) or {}
     names = [n for n in graph.constants if n not in graph.folded_constants]
     values = {n: graph.get_original_value_of_constant(n) for n in names}
+    if sources is not None:
+        sources.update(values)
     all_gpu = all(values[n].is_cuda for n in names)
     alignment = 1 if all_gpu else CPU_ALIGNMENT
     rows, offset, unsupported = [], 0, []
@@ -168,22 +173,46 @@ def table_of_graph(graph) -> dict:
             "folded": sorted(graph.folded_constants), "unsupported": unsupported}
 
 
+class CapturedTable(dict):
+    """The table of the .so AOTInductor compiled (`table_of_graph`, as JSON data), and beside it,
+    not in the data, `sources`: each constant's original value by name, what its weights blob holds."""
+
+    sources: dict
+
+
 @contextlib.contextmanager
-def captured_table() -> Iterator[dict]:
+def captured_table(keep_out: bool = False) -> Iterator[CapturedTable]:
     """Within the block, the table of the (last) .so AOTInductor compiles is put in the dict
-    yielded (`table_of_graph`), taken as its compiler starts writing the .so and its blob."""
+    yielded (`table_of_graph`), taken as its compiler starts writing the .so and its blob, with
+    each constant's original value in its `sources`.
+
+    With `keep_out`, inductor's serializer is handed no constant's values: it writes an empty
+    weights blob, the .so records the table's blob size as its own, and the source of every byte
+    the blob would have held is in `sources` for `source_problem`. Why: AOTInductor builds that
+    blob in memory from the program's weights before writing it whole (torch 2.11 joins one bytes
+    object per constant, so for a moment it holds them twice): at 40 layers of a 35B MoE, 20 GB a
+    method, and the compiles' resident sets reached 76 GiB (H100, 2026-12-06). The blob stage
+    writes the one the build keeps, by the table (write_blob), so the compile's own would only
+    prove that table, which its sources prove as well. The .so's own wrapper code (shapes, strides,
+    sizes, devices of its constants) is written before the serializer runs, from the real values,
+    and is the same either way."""
     from torch._inductor import codecache
 
-    found: dict = {}
+    found = CapturedTable()
+    found.sources = {}
     original = codecache.AotCodeCompiler.__dict__["compile"]
 
     def compile(cls, graph, *args, **kwargs):
         found.clear()
+        found.sources = {}
         try:
-            found.update(table_of_graph(graph))
+            found.update(table_of_graph(graph, found.sources))
         except Exception as e:  # another inductor: no table, so no other weights for this .so
             found["error"] = f"inductor's constants could not be read ({type(e).__name__}: {e})"
-        return original.__func__(cls, graph, *args, **kwargs)
+        if not keep_out or "error" in found:
+            return original.__func__(cls, graph, *args, **kwargs)
+        with _serializer_handed_no_values(graph, codecache, found["size"]):
+            return original.__func__(cls, graph, *args, **kwargs)
 
     codecache.AotCodeCompiler.compile = classmethod(compile)
     try:
@@ -192,70 +221,94 @@ def captured_table() -> Iterator[dict]:
         codecache.AotCodeCompiler.compile = original
 
 
-class HeldBlob:
-    """AOTInductor's weights blob as it handed it to be written, kept in memory instead (`data`,
-    its own buffer: no copy), or None before it is written."""
-
-    def __init__(self):
-        self.data = None
-        self.path: Optional[str] = None
-
-
-class _Held:
-    """What `open(<weights blob>, "wb")` gives inside `held_blob`: a file whose write keeps a
-    reference to the buffer and writes nothing."""
-
-    def __init__(self, holder: HeldBlob, path: str):
-        self.holder, self.holder.path = holder, path
-
-    def write(self, data) -> int:
-        self.holder.data = data
-        return len(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @contextlib.contextmanager
-def held_blob(hold: bool = True) -> Iterator[HeldBlob]:
-    """Within the block, the weights blob AOTInductor writes beside the .so it compiles
-    (`<hash>_weights.blob`) is kept in memory, in the yielded HeldBlob, and never reaches the disk.
+def _serializer_handed_no_values(graph, codecache, size: int) -> Iterator[None]:
+    """Within the block, `graph` answers for each constant's original value with an empty tensor of
+    its device and dtype (so the serializer's layout choice, all on the GPU or not, is unchanged
+    and it copies nothing), and the size AOTInductor records in the .so for an external weights
+    blob, `struct.pack("q", <the blob's length>)` in codecache, is `size`, the table's. Both are
+    answered for this compile only: an instance attribute of `graph`, and codecache's module
+    global `struct` (what its compiler calls) in place of the module."""
+    import struct
 
-    Why: AOTInductor builds that blob in memory from the program's weights and writes it whole:
-    at 40 layers of a 35B MoE, 20 GB a method, two methods at once. The blob stage writes the one
-    the build keeps, by the constant table (write_blob), so the compile's own is needed only to
-    prove that table (blob_problem), which the buffer in memory does as well. codecache opens
-    that file with the builtin `open`: a module global of that name, for the block, answers for it.
-    With `hold` False (a compile whose own blob is the one kept), nothing changes."""
-    from torch._inductor import codecache
+    import torch
 
-    holder = HeldBlob()
-    if not hold:
-        yield holder
-        return
-    import builtins
+    def valueless(name):
+        t = original_value(name)
+        return torch.empty(0, dtype=t.dtype, device=t.device)
 
-    def opener(file, mode="r", *args, **kwargs):
-        if "w" in mode and str(file).endswith("_weights.blob"):
-            return _Held(holder, str(file))
-        return builtins.open(file, mode, *args, **kwargs)
-
-    had = "open" in codecache.__dict__
-    saved = codecache.__dict__.get("open")
-    codecache.open = opener
+    original_value = graph.get_original_value_of_constant
+    graph.get_original_value_of_constant = valueless
+    saved = codecache.__dict__.get("struct")
+    codecache.struct = _BlobSize(size)
     try:
-        yield holder
+        yield
     finally:
-        if had:
-            codecache.open = saved
-        else:
-            del codecache.open
+        codecache.struct = saved
+        del graph.get_original_value_of_constant
+
+
+class _BlobSize:
+    """`struct`, except that packing the empty blob's length as "q" gives the table's size."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def pack(self, fmt, *values):
+        import struct
+
+        if fmt == "q" and values == (0,):
+            return struct.pack("q", self.size)
+        return struct.pack(fmt, *values)
+
+    def __getattr__(self, name):
+        import struct
+
+        return getattr(struct, name)
+
+
+def source_problem(table: dict, sources: Mapping[str, object], tensors: Mapping[str, object]) -> Optional[str]:
+    """None when the weights blob AOTInductor would have written for `table` (each constant's
+    `sources` value's storage at its offset, zeros between: captured_table) is, byte for byte, what
+    write_blob writes for the program's `tensors` under it, and every program tensor whose values
+    the code digest leaves out is a constant of it; else the first difference, in words.
+
+    A source that is the program's tensor itself (the same storage, offset, dtype and strides: a
+    weight the compile kept on the host, or a CPU program's mapped weight) holds its bytes by
+    identity; any other (a device copy, a CPU clone of a mutated buffer, a freed KV cache's zeros)
+    is compared a chunk at a time (read from the device where it lives there)."""
+    problem = table_problem(table) or fit_problem(table, tensors) or unread_problem(table, tensors)
+    if problem:
+        return problem
+    for row in table["constants"]:
+        source, t = sources.get(row["name"]), tensors[row["fqn"]]
+        if source is None:
+            return f"inductor named no value for constant {row['name']} ({row['fqn']})"
+        if _same_storage(source, t):
+            continue
+        storage = source.untyped_storage()
+        if storage.nbytes() != row["nbytes"]:
+            return f"constant {row['name']} holds {storage.nbytes()} bytes for {row['fqn']}, its table {row['nbytes']}"
+        for done in range(0, row["nbytes"], _CHUNK):
+            n = min(_CHUNK, row["nbytes"] - done)
+            if _source_bytes(storage, done, n) != _storage_bytes(t, done, n):
+                return f"the weights blob's bytes for {row['fqn']} differ from the program's"
+    return None
+
+
+def _same_storage(a, b) -> bool:
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return (a.device == b.device and sa.data_ptr() == sb.data_ptr() and sa.nbytes() == sb.nbytes()
+            and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype and a.stride() == b.stride())
+
+
+def _source_bytes(storage, start: int, n: int) -> bytes:
+    if storage.device.type == "cpu":
+        return ctypes.string_at(storage.data_ptr() + start, n)
+    import torch
+
+    piece = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (n,), (1,))
+    return piece.cpu().numpy().tobytes()
 
 
 def table_problem(table) -> Optional[str]:
@@ -370,7 +423,7 @@ def unread_problem(table: dict, tensors: Mapping[str, object]) -> Optional[str]:
 
 
 def blob_problem(blob, table: dict, tensors: Mapping[str, object]) -> Optional[str]:
-    """None when `blob` (a file, or AOTInductor's buffer: held_blob) is, byte for byte, what
+    """None when `blob` (a file, or a buffer) is, byte for byte, what
     write_blob writes for `tensors` under `table` (padding included), and every program tensor
     whose values the code digest leaves out is a constant of it; else the first difference, in words."""
     problem = table_problem(table) or fit_problem(table, tensors) or unread_problem(table, tensors)

@@ -1,11 +1,24 @@
-"""Low-memory AOTInductor compile: keep zero KV caches and mutated-buffer clones off the device.
+"""Low-memory AOTInductor compile: keep zero KV caches, mutated-buffer clones and (where the compile
+never runs the program) the weights themselves off the device.
 
 Owns the low-memory behaviour of ExecuTorch's CUDA backend as separate, scoped pieces:
 - which buffers are KV-cache content that may be freed (`is_kv_cache_buffer`),
 - moving a program to the device with those buffers' storage freed (`move_program_to_device`),
-- the compile-time patches of inductor that clone mutated buffers onto the CPU and re-create the
-  freed caches as zeros (`compile_time_cpu_clones`),
+  and with `weights_on_device=False` every weight too: each is a device tensor of its shape,
+  strides and dtype with no storage, and its values stay on the host (`host_copy`);
+- the compile-time patches of inductor that clone mutated buffers onto the CPU, re-create the
+  freed caches as zeros and answer for a freed weight with its host copy wherever inductor asks
+  for a constant's original value (`compile_time_cpu_clones`),
 - freeing a compiled program's device storage before the next method (`release_device_tensors`).
+
+Why the weights may stay off the device: with Triton's tuning done at compile time
+(`autotune_at_compile_time`, torch's own default for AOTInductor), inductor never runs the
+program while it compiles; it times each kernel on example values it makes itself, and reads a
+constant's values only to write the weights blob (which the compile stage keeps out of memory:
+aoti_constants.constants_kept_out) and its table (shapes, strides, sizes: the host copy has them).
+Measured on the H100 at 40 layers of Qwen3.5-35B-A3B with the weights on the device:
+compile.prefill peaked at 22.35 GiB, nearly all of it the 19 GiB of weights. A compile that runs
+the program to tune its kernels (`autotune_at_compile_time=OFF`) needs them there.
 
 Must not touch: inductor config or os.environ. The patches are process-wide while the context is
 open (inductor serialises constants from worker threads, so they cannot be thread-local), and
@@ -90,7 +103,7 @@ def _emptied_like(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _point_graph_at_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+def point_graph_at_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     """Retarget burnt-in device kwargs, `aten.to.device` targets and meta vals to `device`."""
     target = str(device)
 
@@ -133,7 +146,7 @@ def calls_triton_kernels(ep: ExportedProgram) -> bool:
 
 
 def move_program_to_device(
-    ep: ExportedProgram, device: Device, *, low_memory: bool
+    ep: ExportedProgram, device: Device, *, low_memory: bool, weights_on_device: bool = True
 ) -> ExportedProgram:
     """Move `ep` (in place, and return it) to `device` for an AOTI compile.
 
@@ -141,30 +154,35 @@ def move_program_to_device(
     the same except that KV-cache content (`is_kv_cache_buffer`) is placed on `device` with its
     storage freed, one tensor at a time (unless the program calls Triton kernels,
     `calls_triton_kernels`): device checks on the cache updates still pass, and the
-    caches occupy no memory until `compile_time_cpu_clones` re-creates them as zeros. The
+    caches occupy no memory until `compile_time_cpu_clones` re-creates them as zeros. With
+    `weights_on_device` False too, every other tensor but the program's state (the buffers it
+    writes) and its one-element scalars (whose values inductor may read to fold them) is placed
+    the same way, its values kept on the host for the compile-time patches (`host_copy`). The
     program's original tensors are not modified (the eager model keeps its buffers).
     """
     device = torch.device(device)
     if not low_memory:
+        if not weights_on_device:
+            raise ValueError("weights_on_device=False needs low_memory (its compile-time patches)")
         from torch.export.passes import move_to_device_pass
 
         return move_to_device_pass(ep, device)
     free_caches = not calls_triton_kernels(ep)
+    written = set(ep.graph_signature.buffers_to_mutate.values())
+
+    def placed(fqn: str, value: torch.Tensor) -> torch.Tensor:
+        if free_caches and is_kv_cache_buffer(fqn, value):
+            return _emptied_like(value, device)
+        if not weights_on_device and fqn not in written and _streamable(value):
+            return _PATCHES.keep_on_host(value, device)
+        return value.to(device)
 
     for fqn, value in ep.state_dict.items():
-        if isinstance(value, torch.nn.Parameter):
-            ep._state_dict[fqn] = torch.nn.Parameter(value.to(device), value.requires_grad)
-        elif free_caches and is_kv_cache_buffer(fqn, value):
-            ep._state_dict[fqn] = _emptied_like(value, device)
-        else:
-            ep._state_dict[fqn] = value.to(device)
+        moved = placed(fqn, value)
+        ep._state_dict[fqn] = torch.nn.Parameter(moved, value.requires_grad) if isinstance(value, torch.nn.Parameter) else moved
     for fqn, value in ep.constants.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if free_caches and is_kv_cache_buffer(fqn, value):
-            ep._constants[fqn] = _emptied_like(value, device)
-        else:
-            ep._constants[fqn] = value.to(device)
+        if isinstance(value, torch.Tensor):
+            ep._constants[fqn] = placed(fqn, value)
 
     if ep.example_inputs is not None:
         args, kwargs = ep.example_inputs
@@ -172,9 +190,20 @@ def move_program_to_device(
             pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), args),
             pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), kwargs),
         )
-    _point_graph_at_device(ep.graph_module, device)
+    point_graph_at_device(ep.graph_module, device)
     ep.validate()
     return ep
+
+
+def _streamable(value: torch.Tensor) -> bool:
+    """A plain tensor of more than one element: a weight whose values no compile decision reads
+    (a tensor subclass keeps whatever its own `to` does; a scalar may be folded into the code)."""
+    return type(value) in (torch.Tensor, torch.nn.Parameter) and value.numel() > 1 and not value.is_meta
+
+
+def host_copy(value: torch.Tensor) -> Optional[torch.Tensor]:
+    """The host tensor a weight placed with `weights_on_device=False` stands for, or None."""
+    return _PATCHES.host_copy(value)
 
 
 def release_device_tensors(ep: ExportedProgram) -> int:
@@ -188,7 +217,10 @@ def release_device_tensors(ep: ExportedProgram) -> int:
     pools = [getattr(ep, "state_dict", None) or {}, getattr(ep, "constants", None) or {}]
     for pool in pools:
         for value in pool.values():
-            if not isinstance(value, torch.Tensor) or value.device.type in ("cpu", "meta"):
+            if not isinstance(value, torch.Tensor):
+                continue
+            _PATCHES.forget_host_copy(value)
+            if value.device.type in ("cpu", "meta"):
                 continue
             storage = value.untyped_storage()
             size = storage.nbytes()
@@ -257,12 +289,20 @@ def _patch_targets() -> dict:
         "is_same_tensor" in dedup.co_names,
         "GraphLowering.allocate_non_dup_const_name no longer de-duplicates with graph.is_same_tensor",
     )
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    _require(callable(getattr(FakeTensorProp, "get_attr", None)) and hasattr(FakeTensorProp, "__init__"),
+             "torch.fx.passes.fake_tensor_prop.FakeTensorProp has no get_attr")
     return {
+        "FakeTensorProp": FakeTensorProp,
         "compile_fx": compile_fx,
         "graph": graph,
         "CppWrapperCpu": CppWrapperCpu,
         "GraphLowering": GraphLowering,
     }
+
+
+_INHERITED = object()  # an attribute a patched class had only from its bases
 
 
 class _Session:
@@ -300,6 +340,8 @@ class _Session:
     def install(self, targets: Mapping[str, Any]) -> None:
         compile_fx, graph = targets["compile_fx"], targets["graph"]
         wrapper_cls, lowering_cls = targets["CppWrapperCpu"], targets["GraphLowering"]
+        fake_prop = targets["FakeTensorProp"]
+        interpreter_get_attr = fake_prop.get_attr
         unlift = compile_fx._unlift_graph
         clone = compile_fx.clone_preserve_strides
         codegen_device = wrapper_cls.codegen_device
@@ -322,7 +364,8 @@ class _Session:
             if not session.in_unlift():
                 return clone(x)
             if _is_emptied(x):
-                return session.zeros_for(x)
+                host = _PATCHES.host_copy(x)  # a written buffer left on the host: its initial values
+                return session.note_forced(x, _copy_preserving_strides(host, "cpu")) if host is not None else session.zeros_for(x)
             return session.note_forced(x, _copy_preserving_strides(x, "cpu"))
 
         def codegen_device_of_target(self: Any, device: torch.device) -> str:
@@ -342,9 +385,14 @@ class _Session:
             return codegen_device(self, device)
 
         def original_value_with_zeros(self: Any, name: str) -> torch.Tensor:
-            # A freed KV cache would serialise as 0 bytes; the weights blob must hold its zeros.
+            # A freed weight is its host copy: its bytes, storage size and offset are what the
+            # constants table and the weights blob must say (its device is the target's, in the
+            # table). A freed KV cache would serialise as 0 bytes; the weights blob must hold its zeros.
             value = original_value(self, name)
-            return session.zeros_for(value) if _is_emptied(value) else value
+            if not _is_emptied(value):
+                return value
+            host = _PATCHES.host_copy(value)
+            return session.note_forced(value, host) if host is not None else session.zeros_for(value)
 
         def same_unless_emptied(data: torch.Tensor, value: torch.Tensor) -> bool:
             # Freed storages all report data_ptr 0, which would merge every same-shaped cache into
@@ -353,7 +401,15 @@ class _Session:
                 return False
             return is_same(data, value)
 
+        def get_attr_fake_if_freed(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
+            # Fake-tensor propagation runs an op for real where its inputs are all real tensors
+            # (the constants: `1.0 + norm.weight`, `bias * 1`), which would read a freed tensor's
+            # missing storage. A freed tensor is handed on as the fake tensor of its metadata.
+            value = interpreter_get_attr(self, target, args, kwargs)
+            return self._mode.from_tensor(value, static_shapes=True) if _is_emptied(value) else value
+
         replacements = {
+            (fake_prop, "get_attr"): get_attr_fake_if_freed,
             (compile_fx, "_unlift_graph"): unlift_with_cpu_clones,
             (compile_fx, "clone_preserve_strides"): clone_mutated_buffer_to_cpu,
             (wrapper_cls, "codegen_device"): codegen_device_of_target,
@@ -361,12 +417,16 @@ class _Session:
             (graph, "is_same_tensor"): same_unless_emptied,
         }
         for (owner, name), replacement in replacements.items():
-            self.originals[(owner, name)] = getattr(owner, name)
+            # Only what the owner itself defines is put back; an inherited attribute is deleted again.
+            self.originals[(owner, name)] = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
             setattr(owner, name, replacement)
 
     def uninstall(self) -> None:
         for (owner, name), value in self.originals.items():
-            setattr(owner, name, value)
+            if value is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         self.originals = {}
 
 
@@ -382,6 +442,27 @@ class CompileTimePatches:
         self._lock = threading.Lock()
         self._depth = 0
         self._session: Optional[_Session] = None
+        # The host tensors of weights placed with weights_on_device=False, by the device tensor's
+        # storage (its StorageImpl: the same for every tensor object inductor makes of it, freed or not).
+        self._host_copies: dict[int, torch.Tensor] = {}
+
+    def keep_on_host(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A device tensor with `value`'s shape, strides and dtype and no storage, whose values are
+        `value`'s on the host (a compact copy where `value` is a view into a larger storage, as
+        `.to(device)` would have made it)."""
+        compact = value.storage_offset() == 0 and value.untyped_storage().nbytes() == _storage_span(value) * value.element_size()
+        host = value if value.device.type == "cpu" and compact else _copy_preserving_strides(value, "cpu")
+        placed = _emptied_like(host, device)
+        with self._lock:
+            self._host_copies[placed.untyped_storage()._cdata] = host
+        return placed
+
+    def host_copy(self, value: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._host_copies.get(value.untyped_storage()._cdata) if isinstance(value, torch.Tensor) else None
+
+    def forget_host_copy(self, value: torch.Tensor) -> None:
+        with self._lock:
+            self._host_copies.pop(value.untyped_storage()._cdata, None)
 
     @contextlib.contextmanager
     def open(self, target_device: Device) -> Iterator[None]:

@@ -56,18 +56,6 @@ def logits_node(gm: torch.fx.GraphModule, temperature_input: int) -> torch.fx.No
     raise ValueError("the program has no division of logits by its temperature input: not a sampling method")
 
 
-class _Capturing(torch.fx.Interpreter):
-    def __init__(self, gm, target):
-        super().__init__(gm)
-        self.target, self.captured = target, None
-
-    def run_node(self, n):
-        out = super().run_node(n)
-        if n is self.target:
-            self.captured = out.detach().float().cpu()
-        return out
-
-
 def program_buffers(ep) -> list[str]:
     """The buffers the program writes: its state (KV caches, conv and recurrent states), what
     verify compares after the last step. Not the others: in ExecuTorch's CUDA Qwen3.5-MoE the int4
@@ -112,23 +100,19 @@ def _viewed(node):
 
 def eager_steps(ep, steps: list, device: str, temperature_input: int) -> tuple[list, dict]:
     """([(token, logits)] per step, {buffer: its value after the last step}) of the exported
-    program run eagerly on `device`, its state kept between steps."""
-    from torch.export.passes import move_to_device_pass
+    program run eagerly on `device`, its state kept between steps. Only the state lives on the
+    device throughout; the weights are copied there op by op (cudabuild.backend.streamed_eager)."""
+    from cudabuild.backend.streamed_eager import StreamedProgram
 
-    if device != "cpu":
-        ep = move_to_device_pass(ep, device)
     names = program_buffers(ep)
-    gm = ep.module()
-    target = logits_node(gm, temperature_input)
+    program = StreamedProgram(ep, device, resident=names)
+    target = logits_node(program.gm, temperature_input)
     results = []
-    with torch.no_grad():
-        for step in steps:
-            interpreter = _Capturing(gm, target)
-            out = interpreter.run(*[t.to(device) for t in step])
-            token = (out[0] if isinstance(out, (list, tuple)) else out).detach().cpu()
-            results.append((token, interpreter.captured))
-    buffers = dict(gm.named_buffers())
-    return results, {fqn: buffers[fqn].detach().cpu() for fqn in names if fqn in buffers}
+    for step in steps:
+        out, logits = program.run(tuple(step), capture=target)
+        token = (out[0] if isinstance(out, (list, tuple)) else out).detach().cpu()
+        results.append((token, logits))
+    return results, program.buffers(names)
 
 
 def compiled_steps(runner, steps: list, device: str, buffers: list[str]) -> tuple[list, dict]:

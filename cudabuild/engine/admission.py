@@ -19,6 +19,7 @@ import contextlib
 from typing import Iterator, Optional
 
 from cudabuild.engine import cluster, history, ledger, workers
+from cudabuild.errors import DeviceTooSmall
 from cudabuild.engine.console import trace
 from cudabuild.engine.graph import Stage
 
@@ -36,13 +37,15 @@ def admitted(runner, stage: Stage, inputs: dict) -> Iterator[None]:
     memory from that device's (cudabuild.engine.ledger): in beside the build's other stages when
     the reservations in flight leave room for it, else once they do. The memory is always
     reserved first, so no two stages can wait on each other. One stage at a time reserves none."""
+    config = runner.config
+    row = runner.pipeline.row(stage)
+    device = row.device(config, stage.method) if row.device else None
+    if device:
+        refuse_if_too_big(runner, stage, device)
     if runner.workers <= 1:
         yield
         return
-    config = runner.config
-    row = runner.pipeline.row(stage)
     alone_because = row.runs_alone(config, stage.method) if row.runs_alone else None
-    device = row.device(config, stage.method) if row.device else None
     estimate = memory_estimate(runner, stage, inputs) if not alone_because else None
     admission = workers.admission(runner.workers, estimate, alone_because, workers.memory_budget())
     locks = runner.store.root / "locks"
@@ -67,6 +70,32 @@ def admitted(runner, stage: Stage, inputs: dict) -> Iterator[None]:
             runner.log(f"{stage.id}: waited {waited:.0f}s for its turn "
                        f"({admission.why}{f'; on {device}: {on_device.why}' if device else ''})")
         yield
+
+
+def device_need(runner, stage: Stage) -> Optional[tuple[int, str]]:
+    """(bytes, basis) the stage will allocate on its device when it runs alone: its last measured
+    peak (or a sibling method's), else its inputs' weights times its row's device factor; None
+    where neither says (a stage on no device, or of unknown size)."""
+    row = runner.pipeline.row(stage)
+    device = row.device(runner.config, stage.method) if row.device else None
+    if not device:
+        return None
+    measured = last_device_peak(runner, stage)
+    if measured:
+        return measured, "measured in its last run"
+    factor = row.device_factor(runner.config, stage.method) if row.device_factor else 0.0
+    weights = weights_bytes(runner, stage)
+    return (int(weights * factor), f"estimated as {factor:g}x the {weights / 2**30:.1f} GiB it is handed") if weights and factor else None
+
+
+def refuse_if_too_big(runner, stage: Stage, device: str, capacity: Optional[int] = None) -> None:
+    """DeviceTooSmall when the stage cannot fit its device even alone (`capacity`, by default
+    workers.device_capacity): said before it starts, with its need and the room, instead of an
+    out-of-memory error part way."""
+    need = device_need(runner, stage)
+    capacity = workers.device_capacity(device) if capacity is None else capacity
+    if need is not None and capacity is not None and need[0] > capacity:
+        raise DeviceTooSmall(stage.id, device, need[0], capacity, need[1])
 
 
 def memory_estimate(runner, stage: Stage, inputs: dict) -> Optional[int]:

@@ -75,25 +75,54 @@ def default_workers(environ: Optional[dict] = None) -> int:
     return max(1, min(usable_cores(), MAX_DEFAULT_WORKERS))
 
 
-def available_memory() -> Optional[int]:
-    """MemAvailable (Linux), lowered to the cgroup's limit less its usage where one is set."""
-    found = None
+def _meminfo(field: str) -> Optional[int]:
+    """A /proc/meminfo field in bytes (Linux), or None."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    found = int(line.split()[1]) * 1024
-                    break
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def cgroup_memory(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> tuple[Optional[int], Optional[int]]:
+    """(the tightest memory.max of this process's cgroup and its parents, that cgroup's
+    memory.current), cgroup v2; Nones where none is set or it cannot say. A build run inside a
+    cgroup of its own (`memory.max` as a proof of a 64 GB host, say) is bounded by it, not only the
+    container's root."""
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
-        if limit.isdigit() and used.isdigit():
-            room = int(limit) - int(used)
-            found = room if found is None else min(found, room)
+        line = next((l for l in membership.read_text().splitlines() if l.startswith("0::")), None)
     except OSError:
-        pass
+        line = None
+    path = (line[3:].strip() if line else "/").strip("/")
+    folders = [root / path] + [root / p for p in _parents(path)] if path else [root]
+    limits = []
+    for folder in folders:
+        with contextlib.suppress(OSError, ValueError):
+            text = (folder / "memory.max").read_text().strip()
+            if text.isdigit():
+                limits.append(int(text))
+    used = None
+    with contextlib.suppress(OSError, ValueError):
+        used = int((folders[0] / "memory.current").read_text().strip())
+    return (min(limits) if limits else None), used
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def available_memory() -> Optional[int]:
+    """MemAvailable (Linux), lowered to the cgroup's limit less its usage where one is set."""
+    found = _meminfo("MemAvailable")
+    if found is None:
+        return None
+    limit, used = cgroup_memory()
+    if limit is not None and used is not None:
+        found = min(found, limit - used)
     return found
 
 
@@ -125,23 +154,26 @@ def admission(workers: int, estimate: Optional[int], alone_because: Optional[str
     return Admission(False, f"~{estimate / 2**30:.1f} GiB of the {budget / 2**30:.1f} GiB stages may use together", estimate)
 
 
-def memory_budget() -> Optional[int]:
+# Behave as on a host of this size (`64GiB`): the stages side by side plan to hold at most
+# USABLE_FRACTION of it (cudabuild.engine.ledger). Not keyed: it decides what runs side by side, not
+# what a stage makes. A cgroup's memory.max, where the build runs in one, bounds the same way.
+HOST_MEMORY_ENV = "CUDABUILD_HOST_MEMORY"
+
+
+def host_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
+    """$CUDABUILD_HOST_MEMORY in bytes, or None when unset."""
+    from cudabuild.engine.cache_admin import parse_size
+
+    text = (os.environ if environ is None else environ).get(HOST_MEMORY_ENV, "").strip()
+    return parse_size(text, HOST_MEMORY_ENV) if text else None
+
+
+def memory_budget(environ: Optional[dict] = None) -> Optional[int]:
     """What the stages of the builds on this machine may hold together: USABLE_FRACTION of its
-    memory (the cgroup's limit where one is lower), or None where it cannot say."""
-    total = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        return None
-    with contextlib.suppress(OSError):
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit() and total is not None:
-            total = min(total, int(limit))
-    return int(total * USABLE_FRACTION) if total else None
+    memory (the tightest of MemTotal, this process's cgroup's memory.max and $CUDABUILD_HOST_MEMORY),
+    or None where it cannot say."""
+    sizes = [s for s in (_meminfo("MemTotal"), cgroup_memory()[0], host_memory_cap(environ)) if s]
+    return int(min(sizes) * USABLE_FRACTION) if sizes else None
 
 
 def device_admission(workers: int, last_peak: Optional[int], budget: Optional[int],
@@ -180,11 +212,18 @@ def device_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
     return parse_size(text, DEVICE_MEMORY_ENV) if text else None
 
 
-def device_budget(device: str, environ: Optional[dict] = None) -> Optional[int]:
-    """What the stages on the device a stage for `device` uses (the first of CUDA_VISIBLE_DEVICES)
-    may allocate together: DEVICE_USABLE_FRACTION of its memory (under $CUDABUILD_DEVICE_MEMORY, of
-    that size), from nvidia-smi, so deciding costs no CUDA context in this process; None where it
-    cannot say."""
+def device_capacity(device: str, environ: Optional[dict] = None) -> Optional[int]:
+    """What one stage alone may allocate on the device a stage for `device` uses: its memory
+    (under $CUDABUILD_DEVICE_MEMORY, that size), less a process's CUDA context and allocator slack
+    (DEVICE_PROCESS_BYTES); None where it cannot say. A stage that needs more is refused before it
+    starts (cudabuild.engine.admission), rather than failing part way with an out-of-memory error."""
+    total = device_total(device, environ)
+    return None if total is None else total - DEVICE_PROCESS_BYTES
+
+
+def device_total(device: str, environ: Optional[dict] = None) -> Optional[int]:
+    """The device's memory from nvidia-smi (so deciding costs no CUDA context in this process),
+    under $CUDABUILD_DEVICE_MEMORY that size where it is smaller; None where it cannot say."""
     import shutil
     import subprocess
 
@@ -202,7 +241,15 @@ def device_budget(device: str, environ: Optional[dict] = None) -> Optional[int]:
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
     cap = device_memory_cap(environ)
-    return int((total if cap is None else min(total, cap)) * DEVICE_USABLE_FRACTION)
+    return total if cap is None else min(total, cap)
+
+
+def device_budget(device: str, environ: Optional[dict] = None) -> Optional[int]:
+    """What the stages on the device a stage for `device` uses (the first of CUDA_VISIBLE_DEVICES)
+    may allocate together: DEVICE_USABLE_FRACTION of its memory (`device_total`: under
+    $CUDABUILD_DEVICE_MEMORY, of that size); None where it cannot say."""
+    total = device_total(device, environ)
+    return None if total is None else int(total * DEVICE_USABLE_FRACTION)
 
 
 def memory_ledger(locks: Path) -> Path:

@@ -191,18 +191,16 @@ def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: l
               eager: dict | None = None) -> dict:
     """The truth of one method's verify steps and bf16's envelope around it.
 
-    `model_loader()` gives a fresh eager model (bf16, ExecuTorch's) on `device`; `method_prepare`
+    `model_loader()` gives a fresh eager model (bf16, ExecuTorch's) on the host; `method_prepare`
     switches it to the method's path; `eager` is the eager exported program's own run (tokens and
     states). Returns {"truth": {"logits", "states"}, "envelope": {"states": {buffer: the largest
     distance of the plain bf16 runs}, "gaps" and "deviations": [per step, the largest]}, "runs": their count,
-    "eager": the eager program's own distance (`distance`), so verify can tell a wrong reference}."""
+    "eager": the eager program's own distance (`distance`), so verify can tell a wrong reference}.
+    The runs go layer by layer (`runs_layer_by_layer`): `device` holds one part of the model at a time."""
     model = model_loader()
     method_prepare(model, options)
     with PlainOps():
-        runs = [run_steps(model, steps, device)]
-        runs += [run_steps(model, steps, device, router_noise_seed=seed) for seed in range(NOISY_RUNS)]
-        to_fp32(model)
-        truth = run_steps(model, steps, device)
+        *runs, truth = runs_layer_by_layer(model, steps, device, noise_seeds=range(NOISY_RUNS))
     del model
     distances = [distance(run, truth) for run in runs]
     envelope = {"states": {n: max(d["states"].get(n, 0.0) for d in distances) for n in truth["states"]},
@@ -212,17 +210,108 @@ def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: l
             **({"eager": distance(eager, truth)} if eager is not None else {})}
 
 
+def runs_layer_by_layer(model, steps: list, device: str, noise_seeds=()) -> list[dict]:
+    """verify's steps from position 0, state kept between them, as `run_steps` gives them, for
+    each run `reference` makes: the plain bf16 model, the same with its router scores moved by
+    noise (one run per seed in `noise_seeds`), and last the fp32 truth (`to_fp32`).
+
+    Layer by layer, not step by step: each part of the model (the embedding, each decoder block,
+    the final norm with the head) is put on `device` once, runs every run's steps, and is let go
+    before the next part comes, so the device holds one layer's weights and the runs'
+    activations, never the model. Why: at 40 layers of 35b-a3b the model is 19 GiB of int4
+    experts and bf16 embeddings, and the reference stage, which held it whole on the device,
+    peaked at 23.06 GiB (H100, 2026-12-06). Each run's own state is zeroed before it starts, so
+    runs do not see each other's; a noisy run's noise is drawn per (seed, layer)."""
+    seeds: list = [None, *noise_seeds]
+    inputs = [(tokens.to(device), positions.to(device)) for tokens, positions, *_ in steps]
+    with torch.no_grad():
+        with _on(device, model.embed_tokens):
+            xs = [[model.embed_tokens(tokens) for tokens, _ in inputs] for _ in seeds]
+            to_fp32(model.embed_tokens)
+            xs.append([model.embed_tokens(tokens) for tokens, _ in inputs])
+        states: list[dict] = [{} for _ in xs]
+        for index, layer in enumerate(model.layers):
+            prefix = f"layers.{index}."
+            with _on(device, layer, rope=model.config):
+                for run, seed in enumerate(seeds):
+                    _run_layer(layer, xs[run], inputs, states[run], prefix, seed, index)
+                to_fp32(layer)
+                _run_layer(layer, xs[-1], inputs, states[-1], prefix, None, index)
+        with _on(device, model.norm, model.lm_head):
+            logits = [[model.lm_head(model.norm(x))[0, -1].float().cpu() for x in run] for run in xs[:-1]]
+            to_fp32(model.norm)
+            to_fp32(model.lm_head)
+            logits.append([model.lm_head(model.norm(x))[0, -1].float().cpu() for x in xs[-1]])
+    return [{"logits": run_logits, "states": run_states} for run_logits, run_states in zip(logits, states)]
+
+
+def _run_layer(layer, xs: list, inputs: list, states: dict, prefix: str, seed: int | None, index: int) -> None:
+    """One run's steps through one decoder layer, from a zero state: `xs` (the run's activations,
+    one per step) replaced by the layer's outputs, its state after the last step put in `states`."""
+    for name, buf in layer.named_buffers():
+        if name.endswith(STATES):
+            buf.zero_()
+    hook = None
+    if seed is not None:
+        device = xs[0].device
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+        def moved(module, args, out):
+            noise = torch.randn(out.shape, device=out.device, generator=generator)
+            return (out.float() * (1 + ROUTER_NOISE * noise)).to(out.dtype)
+
+        hook = layer.mlp.gate.register_forward_hook(moved)
+    try:
+        for step, (_, positions) in enumerate(inputs):
+            xs[step] = layer(xs[step], positions)
+    finally:
+        if hook is not None:
+            hook.remove()
+    states.update({prefix + n: b.detach().float().cpu().clone() for n, b in layer.named_buffers() if n.endswith(STATES)})
+
+
+class _on:
+    """Within the block, the modules' parameters and buffers on `device` (each tensor moved as
+    ExecuTorch's inference helper moves them, tensor subclasses included, and a rotary embedding's
+    inv_freq computed there as it computes it, where `rope` gives the model's config); on leaving,
+    the host tensors are theirs again and the device copies are let go (anything the block did to
+    them with them)."""
+
+    def __init__(self, device: str, *modules, rope=None):
+        self.device, self.modules, self.rope, self.saved = device, modules, rope, []
+
+    def __enter__(self):
+        for top in self.modules:
+            for owner in top.modules():
+                for name, p in list(owner.named_parameters(recurse=False)):
+                    self.saved.append((owner, name, p, True))
+                    setattr(owner, name, torch.nn.Parameter(p.data.to(self.device), requires_grad=False))
+                for name, b in list(owner.named_buffers(recurse=False)):
+                    if b is not None:
+                        self.saved.append((owner, name, b, False))
+                        owner.register_buffer(name, b.to(self.device), persistent=name not in owner._non_persistent_buffers_set)
+        if self.rope is not None and self.device != "cpu":
+            for top in self.modules:
+                for owner in top.modules():
+                    rope = getattr(owner, "rotary_emb", None)
+                    if rope is not None:
+                        dims = torch.arange(0, rope.rotary_dim, 2, dtype=torch.float32) / rope.rotary_dim
+                        rope.inv_freq = (1.0 / (self.rope.rope_theta ** dims)).to(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, value, is_parameter in reversed(self.saved):
+            if is_parameter:
+                setattr(owner, name, value)
+            else:
+                owner.register_buffer(name, value, persistent=name not in owner._non_persistent_buffers_set)
+        self.saved = []
+
+
 def truth(options: Mapping[str, Any], folder, prepare, steps: list, device: str, eager: dict | None = None) -> dict:
     """The recipe's `Quantize.truth` (cudabuild.recipe): `reference` on the model the quantize
-    stage's bundle in `folder` holds, loaded as the export stage loads it, on `device`."""
+    stage's bundle in `folder` holds, loaded as the export stage loads it, on the host; each part
+    goes to `device` in turn (`runs_layer_by_layer`)."""
     from cudabuild.models import qwen35_moe
 
-    def load():
-        model = qwen35_moe.load(options, folder)
-        if device != "cpu":
-            from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
-
-            _move_to_cuda(model, model.config)
-        return model.eval()
-
-    return reference(load, options, prepare, steps, device, eager)
+    return reference(lambda: qwen35_moe.load(options, folder).eval(), options, prepare, steps, device, eager)

@@ -4,8 +4,8 @@ The compile stage is keyed on what decides the code, not on the weights' values,
 for the same model (another seed, a new checkpoint of the same shapes) find its .so cached. This
 stage is keyed on the weights (the exported program's content digest), the edge program and the
 compile's result, and gives the .so with the blob for these weights. The compile writes no blob
-of its own (it proves its constant table on AOTInductor's, in memory: aoti_constants.held_blob), so
-the blob is written here, in one of three ways:
+of its own (it proves its constant table on what AOTInductor's would hold, which it never builds:
+aoti_constants.captured_table), so the blob is written here, in one of three ways:
 
 - *as compiled*: the compile's program held these very weights (its value's `lowered_from` is the
   exported program's digest): the .so is handed on and the blob written by its constant table;
@@ -13,7 +13,7 @@ the blob is written here, in one of three ways:
   by the compile's constant table (cudabuild.backend.aoti_constants.write_blob), from the edge
   program for these weights (`lowered_program`: the edge program's graph and own tensors, and the
   exported program's tensors where the edge lowering handed them on, cudabuild.backend.tensor_origins);
-  byte for byte what AOTInductor would write, which the compile proved on its own blob. Either
+  byte for byte what AOTInductor would write, which the compile proved on its constants' values. Either
   way the constants whose bytes the store holds already (every weight, from the bundle or the
   export) are holes in the file written, and the store keeps the blob as ranges of them: a
   weights blob of 20 GB takes a manifest on the disk, not a copy;

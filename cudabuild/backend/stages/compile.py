@@ -8,8 +8,13 @@ blob for this code, from `constants.json`, the table of the .so's constants (nam
 size, dtype, shape, strides) taken from inductor as it writes the .so. The compile proves that
 table on AOTInductor's own blob: rebuilt from the program's tensors by the table, it must be that
 blob byte for byte (`constants.rewritable` in the value, with why not). AOTInductor's blob is
-compared in memory, as inductor hands it to be written, and never written (aoti_constants.held_blob):
-the build's one weights blob is the blob stage's. The stage's digest is the .so's and the table's;
+never built: its serializer is handed no constant's values, and the table is proven on what it
+would have copied, each constant's original value (aoti_constants.captured_table, source_problem),
+so the compile holds no copy of the weights in memory; the build's one weights blob is the blob
+stage's. With low_memory_mode=ON and Triton's tuning at compile time (which never runs the program),
+the weights do not go to the device either: each is a device tensor with no storage there, its
+values on the host (cudabuild.backend.lowmem; cudabuild.specs.compile_keeps_weights_on_host).
+The stage's digest is the .so's and the table's;
 the value names the weights the program held (`lowered_from`).
 
 Where a value does decide code, it stays in the key: inductor writes a 0-d constant into a kernel as
@@ -56,7 +61,7 @@ from cudabuild.backend import aoti_constants, benchmark_lock, cpp_objects, devic
 from cudabuild.backend.aoti_options import aoti_options, with_custom_shims
 from cudabuild.backend.cuda_env import scoped_environ
 from cudabuild.errors import CompileFailed, one_line
-from cudabuild.specs import times_kernels
+from cudabuild.specs import compile_keeps_weights_on_host, times_kernels
 from cudabuild.backend.fallbacks import check_cuda_fallbacks, collect_fallbacks
 from cudabuild.engine.hashing import digest, sha256_file
 from cudabuild.backend import mapped_weights
@@ -105,7 +110,8 @@ def _inductor_dir_lock(cache_dir: Path):
 @contextlib.contextmanager
 def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: bool,
                   mapped: Iterable = (), timing_lock: Path | None = None,
-                  store_root: Path | None = None, tier=None) -> Iterator[tuple[Any, set, Any, Any]]:
+                  store_root: Path | None = None, tier=None,
+                  weights_on_device: bool = True) -> Iterator[tuple[Any, set, Any, Any]]:
     """Every process-wide change one compile makes, in one list: entered in this order, undone in
     reverse, also on error. Yields the program on the compile's device, the set that collects
     the fallback kernels the compile emits, the count of CPU ISA probes it asked
@@ -119,10 +125,11 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
        stands in for a variable inductor's config read once, when it was imported. Beside it, with
        a `store_root`, the CPU ISA probes remembered there (cudabuild.backend.vec_isa), inside the
        environment because torch's probes build with the compiler that environment names.
-    3. The program on the device (`_program_on_device`): moved before the patches below are
-       installed, so the move runs with stock inductor and with autograd on, as it always has;
-       and it must precede the low-memory patches, which recognise the KV caches by the freed
-       storage the move leaves. Its device storage is released once those patches are undone.
+    3. The program on the device (`_program_on_device`; its weights left on the host where
+       `weights_on_device` is False): moved before the patches below are installed, so the move
+       runs with stock inductor and with autograd on, as it always has; and it must precede the
+       low-memory patches, which recognise the KV caches and the weights by the freed storage
+       the move leaves. Its device storage is released once those patches are undone.
     4. The fallback-kernel collector, no_grad and the SDPA math kernel: the state aot_compile
        traces and lowers the program under; no inlining of small 1-D constants (see the module
        docstring), and the C++ compiles of AOTInductor's sources through the object cache
@@ -148,7 +155,7 @@ def compile_scope(ep, *, target: str, environment: dict[str, str], low_memory: b
 
             scope.enter_context(inductor_config.patch(autotune_remote_cache=True))
         probes = scope.enter_context(vec_isa.answered(store_root))
-        ep = scope.enter_context(_program_on_device(ep, target, low_memory))
+        ep = scope.enter_context(_program_on_device(ep, target, low_memory, weights_on_device))
         fallbacks = scope.enter_context(collect_fallbacks())
         scope.enter_context(torch.no_grad())
         # SDPA left in the graph (triton_kernel_mode=OFF) must decompose: force the math kernel.
@@ -182,12 +189,14 @@ def _no_inlined_constants() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _program_on_device(ep, target: str, low_memory: bool) -> Iterator[Any]:
-    """`ep` moved to the target's device (KV caches freed with low_memory); its device storage is
-    released on exit, so the next method starts from an empty device."""
+def _program_on_device(ep, target: str, low_memory: bool, weights_on_device: bool = True) -> Iterator[Any]:
+    """`ep` moved to the target's device (KV caches freed with low_memory, and the weights left on
+    the host without `weights_on_device`); its device storage is released on exit, so the next
+    method starts from an empty device."""
     from cudabuild.backend import lowmem
 
-    ep = lowmem.move_program_to_device(ep, _device_of(target), low_memory=low_memory)
+    ep = lowmem.move_program_to_device(ep, _device_of(target), low_memory=low_memory,
+                                       weights_on_device=weights_on_device)
     try:
         if target == "cuda":
             from executorch.backends.cuda.passes.move_cond_predicate_to_cpu import MoveCondPredicateToCpuPass
@@ -251,9 +260,9 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blo
     timing_lock = workers.timing_lock(ctx.cache_root / "locks", device) if device == "cuda" else None
     with compile_scope(ep, target=target, environment=environment, low_memory=low_memory,
                        mapped=mapped.tensors(), timing_lock=timing_lock, store_root=ctx.cache_root,
-                       tier=ctx.shared_tier) as (ep, fallbacks, probes, objects):
-        with phase("AOTInductor") as span, aoti_constants.captured_table() as table, \
-                aoti_constants.held_blob(hold=not keep_blob) as held:
+                       tier=ctx.shared_tier, weights_on_device=not compile_keeps_weights_on_host(specs, target)) \
+            as (ep, fallbacks, probes, objects):
+        with phase("AOTInductor") as span, aoti_constants.captured_table(keep_out=not keep_blob) as table:
             kernels_before, entries_before = inductor_phases.kernel_counts(), kernel_cache.entries(ctx.cache_root)
             try:
                 paths = torch._inductor.aot_compile(ep.module(), user_input_values(ep), options=options)
@@ -267,23 +276,27 @@ def _compile(ctx, load, key: str, graph: str, lowered_from: str | None, keep_blo
         if target == "cuda":
             check_cuda_fallbacks(method, fallbacks, autotuned=times_kernels(specs, target))
         used = sorted(fallbacks)
+        # The table, proven on what AOTInductor's blob would have held (or, with keep_blob, on
+        # that blob): what lets the blob stage write the blob. Inside the scope: a source may be
+        # on the device, whose storage the scope releases on leaving.
+        with phase("constant table"):
+            blob = next((p for p in paths if isinstance(p, str) and p.endswith(".wrapper_weights.blob")), None)
+            if not table:
+                problem = "AOTInductor reported no constant table"
+            elif keep_blob:
+                problem = aoti_constants.blob_problem(blob, dict(table), tensors) if blob else "AOTInductor wrote no weights blob"
+            else:
+                problem = aoti_constants.source_problem(dict(table), table.sources, tensors)
+            table.sources = {}
 
     so = next((p for p in paths if isinstance(p, str) and p.endswith(".wrapper.so")), None)
-    blob = held.data if not keep_blob else next((p for p in paths if isinstance(p, str) and p.endswith(".wrapper_weights.blob")), None)
-    if so is None or blob is None:
+    if so is None or (keep_blob and blob is None):
         raise CompileFailed(f"method {method}: AOTInductor produced no .so/weights blob pair: {paths}")
     files = {"model.so": ctx.workdir / "model.so"}
     shutil.move(so, files["model.so"])
     if keep_blob:
         files["weights.blob"] = ctx.workdir / "weights.blob"
         shutil.move(blob, files["weights.blob"])
-        blob = files["weights.blob"]
-    # The table, proven on AOTInductor's own blob: what lets the blob stage write the blob.
-    with phase("constant table"):
-        problem = (aoti_constants.blob_problem(blob, dict(table), tensors) if table
-                   else "AOTInductor reported no constant table")
-    del blob
-    held.data = None  # AOTInductor's buffer of every weight, let go before anything else is written
     files["constants.json"] = _write_json(ctx.workdir / "constants.json", dict(table))
     decisions = tuning.harvest(cache_dir)
     if decisions and source != "pinned":

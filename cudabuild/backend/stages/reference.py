@@ -94,16 +94,12 @@ def _truth(ctx, device: str, steps: list, result: dict) -> dict | None:
 
 def eager_outputs(ep, inputs: tuple, device: str) -> list:
     """The program run eagerly, on the target's device: a big model's reference (and Triton ops in
-    an edge program) need the GPU. Outputs come back on the CPU, as a list."""
-    import torch
+    an edge program) need the GPU, where only its state is held throughout and its weights are
+    copied op by op (cudabuild.backend.streamed_eager). Outputs come back on the CPU, as a list."""
+    from cudabuild.backend.sampled_logits import program_buffers
+    from cudabuild.backend.streamed_eager import StreamedProgram
 
-    if device != "cpu":
-        from torch.export.passes import move_to_device_pass
-
-        ep = move_to_device_pass(ep, device)
-        inputs = tuple(t.to(device) for t in inputs)
-    with torch.no_grad():
-        out = ep.module()(*inputs)
+    out, _ = StreamedProgram(ep, device, resident=program_buffers(ep)).run(tuple(inputs))
     out = list(out) if isinstance(out, (list, tuple)) else [out]
     return [t.detach().to("cpu") for t in out]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 from cudabuild.errors import VerifyFailed, one_line
 from cudabuild.backend import aoti_constants, mapped_weights
@@ -38,6 +39,8 @@ def load_compiled(so_path: str, blob_path: str, device: str):
     promote_libtorch(device)
     if device == "cuda":
         runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so_path, 1, "cuda:0")
+        # Its constants: one cudaMalloc of the blob's size, outside torch's allocator.
+        device_peak.held_outside(os.path.getsize(blob_path))
     else:
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
     runner.update_constant_buffer_from_blob(blob_path)

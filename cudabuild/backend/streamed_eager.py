@@ -1,0 +1,137 @@
+"""An exported program run eagerly on a device without its weights resident there.
+
+Why: the reference stage runs a method's exported program eagerly on the target's device, which
+verify compares the compiled code with. Moving the whole program there (torch.export's
+`move_to_device_pass`) holds every weight on the device at once: at 40 layers of Qwen3.5-35B-A3B,
+19 GiB of int4 experts and bf16 embeddings, and the reference peaked at 23.06 GiB (H100,
+2026-12-06), more than a 24 GB card has once its CUDA context is made.
+
+What this does instead: the program's *state* (the buffers it writes: KV caches, conv and recurrent
+states; sampled_logits.program_buffers finds them) is put on the device once and stays there
+across steps; every other tensor the graph reads (weights, lifted constants) stays where the store
+maps it, on the host, and is copied to the device for the one op that reads it, then let go. The
+device then holds the state, the activations and one op's weights at a time (a layer's experts,
+about 0.45 GiB at 35b-a3b), whatever the depth. Each call of the program copies every weight once:
+at 40 layers about 19 GB host-to-device a step, a second or two on a PCIe 5 link.
+
+The values are those `move_to_device_pass` then `ep.module()` would compute: the same graph, the
+same ops on the same device, the graph's burnt-in devices retargeted the same way
+(lowmem.point_graph_at_device). An op that writes an argument that is not resident state would
+write a copy that is thrown away: that raises StreamedWriteError rather than lose the write.
+
+Owns the streamed interpreter. Must not touch: which buffers are state (sampled_logits), what is
+compared (verify).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+
+from cudabuild.errors import CudabuildError
+
+
+class StreamedWriteError(CudabuildError):
+    """An op of the program writes a tensor that is streamed (not resident state)."""
+
+
+class StreamedProgram:
+    """`ep`'s module on `device`, its `resident` buffers (by FQN) moved there for good and every
+    other tensor it reads copied there per op (the module docstring). On the CPU nothing moves."""
+
+    def __init__(self, ep, device: str, resident: Iterable[str] = (), *, copy_on_cpu: bool = False):
+        from cudabuild.backend.lowmem import point_graph_at_device
+
+        self.device = torch.device(device)
+        self.gm = ep.module()  # its parameters and buffers are the program's own tensors, not copies
+        self.resident = sorted(set(resident))
+        if self.device.type != "cpu":
+            point_graph_at_device(self.gm, self.device)
+            for fqn in self.resident:
+                owner, _, name = fqn.rpartition(".")
+                module = self.gm.get_submodule(owner) if owner else self.gm
+                module.register_buffer(name, getattr(module, name).to(self.device))
+        # What is streamed: every tensor the module holds but the resident state. On the CPU the
+        # tensors are already where the ops run; `copy_on_cpu` copies them per op anyway, which is
+        # how the CPU tests watch the streaming (what is copied, and how much of it is alive at once).
+        held = dict(self.gm.named_parameters(remove_duplicate=False))
+        held.update(self.gm.named_buffers(remove_duplicate=False))
+        self.streamed = {id(t): t for fqn, t in held.items() if fqn not in set(self.resident)}
+        self.copies = self.device.type != "cpu" or copy_on_cpu
+        self.copied_bytes = 0  # host-to-device bytes of streamed tensors, over every call
+        self.largest_op_bytes = 0  # the most one op had copied for it
+        self.peak_live_bytes = 0  # the most bytes of copies alive at once (on the device: the cost in memory)
+        self._live: list[tuple[weakref.ref, int]] = []
+
+    def _note_copy(self, copy: torch.Tensor, nbytes: int) -> None:
+        self._live = [(ref, n) for ref, n in self._live if ref() is not None]
+        self._live.append((weakref.ref(copy), nbytes))
+        self.copied_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, sum(n for _, n in self._live))
+
+    def run(self, args: tuple, capture: Optional[torch.fx.Node] = None) -> tuple[Any, Optional[torch.Tensor]]:
+        """The program's output for `args` (moved to the device), and the value of node `capture`
+        (detached, float, on the CPU) where one is named."""
+        interpreter = _Streaming(self, capture)
+        with torch.no_grad():
+            out = interpreter.run(*[a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args])
+        return out, interpreter.captured
+
+    def buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named buffers' values now, on the CPU."""
+        held = dict(self.gm.named_buffers())
+        return {fqn: held[fqn].detach().cpu() for fqn in names if fqn in held}
+
+
+class _Streaming(torch.fx.Interpreter):
+    def __init__(self, program: StreamedProgram, capture: Optional[torch.fx.Node]):
+        super().__init__(program.gm)
+        self.program, self.capture, self.captured = program, capture, None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            out = super().run_node(n)  # placeholders, outputs, get_attr: a get_attr stays where it is
+        else:
+            with self._set_current_node(n):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                copies: dict[int, int] = {}  # id of each copy made for this op -> its bytes
+                args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self._here(t, copies), (args, kwargs))
+                if copies:
+                    self.program.largest_op_bytes = max(self.program.largest_op_bytes, sum(copies.values()))
+                    self._refuse_streamed_writes(n, args, kwargs, copies)
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        if n is self.capture:
+            self.captured = out.detach().float().cpu()
+        return out
+
+    def _here(self, t: torch.Tensor, copies: dict[int, int]) -> torch.Tensor:
+        program = self.program
+        if id(t) not in program.streamed and t.device == program.device:
+            return t  # an activation, or resident state
+        if not program.copies:
+            return t
+        copy = t.to(program.device, copy=True)
+        nbytes = t.untyped_storage().nbytes() if t.numel() else 0
+        copies[id(copy)] = nbytes
+        program._note_copy(copy, nbytes)
+        return copy
+
+    @staticmethod
+    def _refuse_streamed_writes(n: torch.fx.Node, args: tuple, kwargs: dict, copies: dict[int, int]) -> None:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            return
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and id(t) in copies:
+                    raise StreamedWriteError(
+                        f"{n.target} writes its argument {argument.name!r}",
+                        "it is not among the program's state buffers, so the write would be lost",
+                        fix="name the buffer in sampled_logits.program_buffers' answer")
