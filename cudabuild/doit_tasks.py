@@ -29,7 +29,7 @@ from pathlib import Path
 from doit.exceptions import TaskFailed
 
 from cudabuild import warm_stage
-from cudabuild.engine import cache_admin, cluster, executors, frames, history, interrupt, nightly, priority, room, warm, workers
+from cudabuild.engine import admission, cache_admin, cluster, executors, frames, history, interrupt, nightly, priority, room, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
 from cudabuild.config import load_config
@@ -348,8 +348,9 @@ def task_export():
         return
     try:
         runner = make_runner(cli_vars())
-        if requested("export"):
+        if requested("export") and building():
             check_room(runner)
+            admission.device_preflight(runner)
     except CudabuildError as e:
         fail_fast(e)
     yield from export_tasks(runner)

@@ -74,18 +74,39 @@ def admitted(runner, stage: Stage, inputs: dict) -> Iterator[None]:
 
 def device_need(runner, stage: Stage) -> Optional[tuple[int, str]]:
     """(bytes, basis) the stage will allocate on its device when it runs alone: its last measured
-    peak (or a sibling method's), else its inputs' weights times its row's device factor; None
-    where neither says (a stage on no device, or of unknown size)."""
+    peak (or a sibling method's), else its inputs' weights times its row's device factor, else the
+    recipe's projection of the weights (Build.weights_bytes) times that factor; None where none
+    says (a stage on no device, or of unknown size)."""
+    config = runner.config
     row = runner.pipeline.row(stage)
-    device = row.device(runner.config, stage.method) if row.device else None
+    device = row.device(config, stage.method) if row.device else None
     if not device:
         return None
     measured = last_device_peak(runner, stage)
     if measured:
         return measured, "measured in its last run"
-    factor = row.device_factor(runner.config, stage.method) if row.device_factor else 0.0
+    factor = row.device_factor(config, stage.method) if row.device_factor else 0.0
+    if not factor:
+        return None
     weights = weights_bytes(runner, stage)
-    return (int(weights * factor), f"estimated as {factor:g}x the {weights / 2**30:.1f} GiB it is handed") if weights and factor else None
+    if weights:
+        return int(weights * factor), f"estimated as {factor:g}x the {weights / 2**30:.1f} GiB it is handed"
+    if config.weights_bytes:
+        return (int(config.weights_bytes * factor),
+                f"projected as {factor:g}x the ~{config.weights_bytes / 2**30:.1f} GiB of weights these options give")
+    return None
+
+
+def device_preflight(runner, capacity: Optional[int] = None) -> None:
+    """Before a build's first stage: DeviceTooSmall for the first of its device stages that cannot
+    fit the device alone (`capacity`, by default workers.device_capacity), by `device_need`. A
+    stage whose size nothing says is left to its own admission."""
+    config = runner.config
+    for stage in runner.pipeline.plan(config):
+        row = runner.pipeline.row(stage)
+        device = row.device(config, stage.method) if row.device else None
+        if device:
+            refuse_if_too_big(runner, stage, device, capacity)
 
 
 def refuse_if_too_big(runner, stage: Stage, device: str, capacity: Optional[int] = None) -> None:

@@ -141,39 +141,6 @@ def to_fp32(model) -> None:
                 t.data = t.data.float()
 
 
-def _reset(model) -> None:
-    for name, buf in model.named_buffers():
-        if name.endswith(STATES):
-            buf.zero_()
-
-
-def run_steps(model, steps: list, device: str, router_noise_seed: int | None = None) -> dict:
-    """verify's steps from position 0 on the eager module, state kept between them:
-    {"logits": [the last token's logits per step], "states": {buffer: value after the last step}}."""
-    _reset(model)
-    hooks = []
-    if router_noise_seed is not None:
-        generator = torch.Generator(device=device).manual_seed(router_noise_seed)
-
-        def moved(module, inputs, out):
-            noise = torch.randn(out.shape, device=out.device, generator=generator)
-            return (out.float() * (1 + ROUTER_NOISE * noise)).to(out.dtype)
-
-        hooks = [layer.mlp.gate.register_forward_hook(moved) for layer in model.layers]
-    logits = []
-    try:
-        with torch.no_grad():
-            for step in steps:
-                tokens, positions = step[0], step[1]
-                out = model(tokens.to(device), positions.to(device))  # no temperature: the logits [1, T, V]
-                logits.append(out[0, -1].float().cpu())
-    finally:
-        for hook in hooks:
-            hook.remove()
-    states = {n: b.detach().float().cpu().clone() for n, b in model.named_buffers() if n.endswith(STATES)}
-    return {"logits": logits, "states": states}
-
-
 def distance(run: dict, truth: dict) -> dict:
     """{"states": {buffer: max |run - truth|}, "gaps": [per step: how far below the truth's best
     logit the run's own choice lies], "deviations": [per step: max |run's logits - truth's|, where
@@ -211,8 +178,8 @@ def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: l
 
 
 def runs_layer_by_layer(model, steps: list, device: str, noise_seeds=()) -> list[dict]:
-    """verify's steps from position 0, state kept between them, as `run_steps` gives them, for
-    each run `reference` makes: the plain bf16 model, the same with its router scores moved by
+    """verify's steps from position 0, state kept between them: {"logits": [the last token's logits
+    per step], "states": {buffer: value after the last step}}, for each run `reference` makes: the plain bf16 model, the same with its router scores moved by
     noise (one run per seed in `noise_seeds`), and last the fp32 truth (`to_fp32`).
 
     Layer by layer, not step by step: each part of the model (the embedding, each decoder block,
