@@ -154,13 +154,15 @@ def weights_bytes(runner, stage: Stage) -> int:
 
 
 def last_peak(runner, stage: Stage) -> Optional[int]:
-    """The resident peak of the stage's last run: its stamp's, else that of the same stage of
-    another method (the methods of one model hold the same weights: in a first build, the method
-    exported first sizes the next), else the newest logged build of this model and target that ran it."""
+    """The memory the stage's last run held at its peak: its stamp's, else that of the same stage
+    of another method (the methods of one model hold the same weights: in a first build, the method
+    exported first sizes the next), else the newest logged build of this model and target that ran
+    it. The private part of its resident peak where the stamp has it: mapped weights count in every
+    process's resident size, but the page cache holds them once and gives them back under pressure."""
     for candidate in _and_siblings(runner, stage):
         stamp = runner.read_stamp(candidate)
-        if stamp is not None and stamp.status == "ran" and stamp.peak_rss:
-            return int(stamp.peak_rss)
+        if stamp is not None and stamp.status == "ran" and (stamp.peak_private or stamp.peak_rss):
+            return int(stamp.peak_private or stamp.peak_rss)
     return next((int(row["peak_rss"]) for row in history.logged_rows(runner, stage) if row.get("peak_rss")), None)
 
 
