@@ -64,6 +64,9 @@ def test_console_script_runs_the_same_main(tmp_path):
     (["explain", "tiny_lm"], "explain takes NAME=VALUE settings as doit export does"),
     (["wait", "model=tiny_lm", "target=cpu"], "no detached build of model=tiny_lm target=cpu in "),
     (["status", "model=tiny_lm", "target=cpu"], "`cudabuild start model=tiny_lm target=cpu` starts one"),
+    (["wait", "model=tiny_lm", "target=cpu", "--timeout", "-5"], "argument --timeout: expected a number of seconds >= 0, got '-5'"),
+    (["status", "model=tiny_lm", "target=cpu", "target=cuda"], "target=cpu target=cuda: target is given 2 values; give target once"),
+    (["explain", "modle=tiny_lm"], "unknown setting 'modle' for model qwen_moe (the default: no model= given); did you mean model=?"),
 ])
 def test_errors_are_one_line_with_status_2(args, message, tmp_path):
     done = run(args, tmp_path)
