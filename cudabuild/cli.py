@@ -295,31 +295,32 @@ def _processes(count: int) -> str:
 
 
 def cmd_detached(args) -> int:
-    """start / status / wait: the build directory is the one `doit export` would use for these settings."""
+    """start / status / wait: the build directory is the one `doit export` would use for these
+    settings, and the record there must be of this build (its options and specs), not another's."""
     from cudabuild import detached
 
     config = _config(args, args.command)  # bad settings: one line each, now
     build_dir = config.build_dir
+    build = detached.build_of(config.model, config.target, config.options, config.specs)
     if args.command == "start":
         from cudabuild.backend.toolchain import require_device
 
         require_device(config.target)  # the build would stop at once: say so here, and start nothing
-        record, started = detached.start(build_dir, _project(), args.settings)
+        record, started = detached.start(build_dir, _project(), args.settings, build)
         verb = "started" if started else "already running"
         print(f"{verb}: pid {record['pid']}, log {build_dir / detached.LOG}; `cudabuild status` or `cudabuild wait` with the same settings")
         return 0
-    if detached.read(build_dir) is None:
-        settings = " ".join(args.settings)
-        raise UsageError(f"no detached build of {settings or 'these settings'} in {build_dir}",
-                         fix=f"`cudabuild start {settings}` starts one")
+    detached.find(build_dir, build, args.settings)  # none of this build: one line, what the folder holds instead
     if args.command == "status":
         print("\n".join(detached.describe(build_dir)))
         return 0
-    record = detached.wait(build_dir, args.timeout)
+    record = detached.wait(build_dir, args.timeout, build)
     if record is None:
         print(f"still running after {args.timeout:g} s", file=sys.stderr)
         return 124
-    print("\n".join(detached.describe(build_dir)))
+    if not detached.is_of(record, build):  # another build of the folder started meanwhile: this one ended
+        record = detached.find(build_dir, build, args.settings)
+    print("\n".join(detached.describe(build_dir, record=record)))
     return int(record.get("rc", 1))
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from cudabuild import doit_argv, environment, warm_stage
+from cudabuild import detached, doit_argv, environment, warm_stage
 from cudabuild.engine import cache_admin, cluster, executors, frames, history, interrupt, nightly, room, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
@@ -43,7 +43,10 @@ from cudabuild.engine.store import Store
 from cudabuild.backend.toolchain import require_device
 from cudabuild.backend.tuning import pin_autotune
 
-RUN_ID = uuid.uuid4().hex
+# A build `cudabuild start` runs is given its id by its keeper (cudabuild.detached), which then
+# knows its stamps from those of any other build of the folder; taken out of the environment so
+# that no process this build starts takes it for its own.
+RUN_ID = os.environ.pop(detached.RUN_ENV, "").strip() or uuid.uuid4().hex
 STARTED = time.monotonic()
 STARTED_AT = time.time()
 

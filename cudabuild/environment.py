@@ -88,6 +88,10 @@ def _folder(must_exist: bool) -> Callable[[str, Mapping[str, str]], Optional[str
     return check
 
 
+def _run_id(value: str, environ) -> Optional[str]:
+    return None if re.fullmatch(r"[0-9a-f]{32}", value.strip()) else "expected the 32 hex digits `cudabuild start` gives its build"
+
+
 def _warm_mode(value: str, environ) -> Optional[str]:
     return None if value.strip().lower() == "spares" else "expected spares (or unset: the CUDA driver's state decides)"
 
@@ -136,6 +140,8 @@ VARIABLES = (
     Variable("CUDABUILD_REMOTE_MODE", _any),
     Variable("CUDABUILD_REMOTE_LEASE_SECONDS", _any),
     Variable("CUDABUILD_REMOTE_WAIT_SECONDS", _any),
+    # Set by `cudabuild start`'s keeper for the build it runs (cudabuild.detached), not by a user.
+    Variable("CUDABUILD_RUN_ID", _run_id),
 )
 NAMES = tuple(v.name for v in VARIABLES)
 # Flags that some modules read as set or unset: 0 must mean off there too (normalise).

@@ -26,6 +26,7 @@ VALUES = [
     ("CUDABUILD_WARM_MODE", "many", "spares"),
     ("CUDABUILD_REMOTE", "http://host/x", "redis://127.0.0.1:6379/0"),
     ("CUDABUILD_REMOTE_BLOBS", "s3://bucket/prefix", ""),  # set alone: the tier refuses it
+    ("CUDABUILD_RUN_ID", "mine", "0123456789abcdef0123456789abcdef"),
 ]
 
 
