@@ -11,10 +11,10 @@ callers add them to the settings' problems and stop with exit status 2. A CUDABU
 module reads (a typo: CUDABUILD_JOB) is a warning naming the closest known one, not an error: a
 variable of another cudabuild version must not stop a build.
 
-Owns the table and the check. The parsing of sizes, of a remote tier's URLs and of the job count is
-the owning module's (imported here only when that variable is set, so a no-op build pays nothing
-for it); a module that reads its variable at import reads it tolerantly and leaves the telling to
-this check. No torch here.
+Owns the table and the check. Sizes and a remote tier's URLs are parsed by their owners' parsers
+(cache_admin.parse_size, tiers.factory.from_env: imported only when such a variable is set, so a
+no-op build pays nothing for them); a module that reads its variable at import reads it tolerantly
+and leaves the telling to this check. No torch here.
 """
 
 from __future__ import annotations
