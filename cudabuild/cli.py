@@ -25,7 +25,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from cudabuild.errors import CudabuildError, error_lines, one_line
+from cudabuild import environment
+from cudabuild.errors import CudabuildError, InvalidConfig, error_lines, one_line
 
 # (command, one line): what `cudabuild --help` lists.
 COMMANDS = (
@@ -105,7 +106,7 @@ def _parser() -> _Parser:
                                        usage=f"cudabuild {name} model=NAME [NAME=VALUE ...]" + (" [--timeout S]" if name == "wait" else ""))
         detached.add_argument("settings", nargs="*", metavar="NAME=VALUE", help="as for doit export")
         if name == "wait":
-            detached.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit status 124)")
+            detached.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit status 124)")
     return parser
 
 
@@ -125,6 +126,16 @@ def _days(text: str) -> float:
     return days
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got '{text}'")
+    return seconds
+
+
 def _settings(pairs: list[str], command: str = "explain") -> dict[str, str]:
     out = {}
     for pair in pairs:
@@ -135,21 +146,42 @@ def _settings(pairs: list[str], command: str = "explain") -> dict[str, str]:
     return out
 
 
+def _config(args, command: str):
+    """The build the settings name, checked as `doit export` checks them: the environment's
+    problems (found by main), a setting given two values and every problem of the settings, in
+    one InvalidConfig."""
+    from cudabuild.config import load_reporting
+    from cudabuild.engine.store import Store
+    from cudabuild.options import given_twice
+
+    settings = _settings(args.settings, command)
+    found = args.environment_problems + given_twice(pair.partition("=")[::2] for pair in args.settings)
+    try:
+        store = Store()
+    except CudabuildError as e:
+        raise InvalidConfig(found + [line for line in error_lines(e) if line not in found]) from None
+    try:
+        return load_reporting(found, _project(), settings, store)
+    finally:
+        store.close()
+
+
 def _project() -> Path:
     return Path(os.environ.get("CUDABUILD_PROJECT") or os.getcwd()).resolve()
 
 
 def cmd_explain(args) -> int:
-    from cudabuild.config import load_config
+    from cudabuild.config import model_note
     from cudabuild.engine.explain import forecast, not_cached_words, not_in_cache
     from cudabuild.engine.runner import Runner
     from cudabuild.engine.store import Store
 
+    config = _config(args, "explain")
+    for note in (model_note(_project(), _settings(args.settings)), config.target_note):
+        if note:
+            print(note, file=sys.stderr)
     store = Store()
     try:
-        config = load_config(_project(), _settings(args.settings), store)
-        if config.target_note:
-            print(config.target_note, file=sys.stderr)
         runner = Runner(config, store, run_id="explain")
         lines = forecast(runner)
         missing = not_in_cache(runner, lines)
@@ -263,37 +295,32 @@ def _processes(count: int) -> str:
 
 
 def cmd_detached(args) -> int:
-    """start / status / wait: the build directory is the one `doit export` would use for these settings."""
+    """start / status / wait: the build directory is the one `doit export` would use for these
+    settings, and the record there must be of this build (its options and specs), not another's."""
     from cudabuild import detached
-    from cudabuild.config import load_config
-    from cudabuild.engine.store import Store
 
-    store = Store()
-    try:
-        config = load_config(_project(), _settings(args.settings, args.command), store)  # bad settings: one line, now
-    finally:
-        store.close()
+    config = _config(args, args.command)  # bad settings: one line each, now
     build_dir = config.build_dir
+    build = detached.build_of(config.model, config.target, config.options, config.specs)
     if args.command == "start":
         from cudabuild.backend.toolchain import require_device
 
         require_device(config.target)  # the build would stop at once: say so here, and start nothing
-        record, started = detached.start(build_dir, _project(), args.settings)
+        record, started = detached.start(build_dir, _project(), args.settings, build)
         verb = "started" if started else "already running"
         print(f"{verb}: pid {record['pid']}, log {build_dir / detached.LOG}; `cudabuild status` or `cudabuild wait` with the same settings")
         return 0
-    if detached.read(build_dir) is None:
-        settings = " ".join(args.settings)
-        raise UsageError(f"no detached build of {settings or 'these settings'} in {build_dir}",
-                         fix=f"`cudabuild start {settings}` starts one")
+    detached.find(build_dir, build, args.settings)  # none of this build: one line, what the folder holds instead
     if args.command == "status":
         print("\n".join(detached.describe(build_dir)))
         return 0
-    record = detached.wait(build_dir, args.timeout)
+    record = detached.wait(build_dir, args.timeout, build)
     if record is None:
         print(f"still running after {args.timeout:g} s", file=sys.stderr)
         return 124
-    print("\n".join(detached.describe(build_dir)))
+    if not detached.is_of(record, build):  # another build of the folder started meanwhile: this one ended
+        record = detached.find(build_dir, build, args.settings)
+    print("\n".join(detached.describe(build_dir, record=record)))
     return int(record.get("rc", 1))
 
 
@@ -312,6 +339,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             names = ", ".join(name for name, _ in COMMANDS)
             raise UsageError(f"no command given; commands: {names} (see cudabuild --help)")
         args = _parser().parse_args(argv)
+        # Every CUDABUILD_* variable, before anything runs; a command that takes a build's settings
+        # reports these with the settings' problems, in one go.
+        args.environment_problems = environment.check()
+        if args.environment_problems and args.command not in ("explain", "start", "status", "wait"):
+            raise InvalidConfig(args.environment_problems)
         commands = {"explain": cmd_explain, "report": cmd_report, "warm": cmd_warm,
                     "start": cmd_detached, "status": cmd_detached, "wait": cmd_detached}
         status = commands.get(args.command, cmd_cache)(args)

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 from cudabuild import options as option_table
 from cudabuild import registry
-from cudabuild.errors import InvalidConfig, InvalidOption, UnknownTarget, compose
+from cudabuild.errors import CudabuildError, InvalidConfig, InvalidOption, UnknownTarget, compose
 from cudabuild.specs import SPEC_TABLE, merge_method_specs
 from cudabuild.backend.toolchain import resolve_target
 from cudabuild.engine.graph import Pipeline
@@ -109,9 +109,15 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
         elif name in known:
             given[name] = value
         else:
+            # A typo of `model` (or of anything else) is named; with no model= given, so is the
+            # default whose options the name was looked up in.
+            method = name.rpartition(".")[0]
+            meant = option_table.closest(key, SPEC_TABLE if method else [*RESERVED, *known, *SPEC_TABLE])
+            meant = f"{method}.{meant}" if method and meant else meant
+            whose = f"model {model}" + ("" if cli.get("model") else " (the default: no model= given)")
             problems.append(compose(
-                f"unknown setting '{name}' for model {model}", fix=f"recipe options: "
-                f"{', '.join(option_table.names_for(table, target)) or 'none'}; "
+                f"unknown setting '{name}' for {whose}" + (f"; did you mean {meant}=?" if meant else ""),
+                fix=f"recipe options: {', '.join(option_table.names_for(table, target)) or 'none'}; "
                 f"specs: {', '.join(sorted(SPEC_TABLE))} (or METHOD.SPEC)"))
     options, option_problems = option_table.check(model, target, table, given)
     problems.extend(option_problems)
@@ -140,3 +146,27 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
         raise InvalidConfig(problems)
     return BuildConfig(project, model, target, options, specs, description, note, autotune, build_root=build_root,
                        weights_bytes=weights_bytes)
+
+
+def model_note(project: Path, cli: Mapping[str, str]) -> Optional[str]:
+    """What a build of the default model says on stderr (None where model= is given): a build
+    must not be of a model the user did not name without a word."""
+    if cli.get("model"):
+        return None
+    return f"model= not given: taking the default, model={DEFAULT_MODEL} (models: {', '.join(registry.list_models(project))})"
+
+
+def load_reporting(found: list[str], project: Path, cli: Mapping[str, str], store, build_root: Optional[Path] = None) -> BuildConfig:
+    """load_config, with the problems the caller `found` before it (the environment's, a setting
+    given twice) reported in the same InvalidConfig as the settings', so that one run shows all."""
+    try:
+        config = load_config(project, cli, store, build_root)
+    except InvalidConfig as e:
+        raise InvalidConfig(found + [p for p in e.problems if p not in found]) from None
+    except CudabuildError as e:  # an unknown model, a recipe that does not load
+        if not found:
+            raise
+        raise InvalidConfig(found + [str(e)]) from None
+    if found:
+        raise InvalidConfig(found)
+    return config

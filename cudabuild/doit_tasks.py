@@ -28,13 +28,13 @@ from pathlib import Path
 
 from doit.exceptions import TaskFailed
 
-from cudabuild import warm_stage
+from cudabuild import detached, doit_argv, environment, warm_stage
 from cudabuild.engine import admission, cache_admin, cluster, executors, frames, history, interrupt, nightly, priority, room, warm, workers
 from cudabuild.engine import manifest as build_manifest
 from cudabuild.engine.console import progress, terminal, trace
-from cudabuild.config import load_config
-from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidOption, NoGpu, UnknownModel, UnknownTarget,
-                              error_lines, one_line)
+from cudabuild.config import load_config, load_reporting, model_note
+from cudabuild.errors import (ClusterNeedsTier, CudabuildError, InvalidConfig, InvalidOption, NoGpu, UnknownModel,
+                              UnknownTarget, error_lines, one_line)
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.registry import list_models
 from cudabuild.engine.console.progress import CudabuildReporter, failure_lines, print_summary
@@ -43,7 +43,10 @@ from cudabuild.engine.store import Store
 from cudabuild.backend.toolchain import require_device
 from cudabuild.backend.tuning import pin_autotune
 
-RUN_ID = uuid.uuid4().hex
+# A build `cudabuild start` runs is given its id by its keeper (cudabuild.detached), which then
+# knows its stamps from those of any other build of the folder; taken out of the environment so
+# that no process this build starts takes it for its own.
+RUN_ID = os.environ.pop(detached.RUN_ENV, "").strip() or uuid.uuid4().hex
 STARTED = time.monotonic()
 STARTED_AT = time.time()
 
@@ -137,8 +140,8 @@ def _default_workers() -> int:
         if not os.environ.get(workers.JOBS_ENV, "").strip() and _builds_for_a_device(cli_vars()):
             return min(DEVICE_BUILD_WORKERS, workers.default_workers())
         return workers.default_workers()
-    except CudabuildError as e:
-        fail_fast(e)
+    except CudabuildError:  # a bad $CUDABUILD_JOBS: said by the check before anything runs (checked_start)
+        return 1
 
 
 def _builds_for_a_device(cli: dict[str, str]) -> bool:
@@ -194,25 +197,38 @@ def building(argv: list[str] | None = None) -> bool:
     return doit_command(argv) == "run"
 
 
-def bare_setting(argv: list[str], project: Path) -> str | None:
-    """A model's or a target's name given as a word (`doit export tiny_lm`), which doit would take
-    for a task that does not exist: the word, or None."""
-    settings = set(list_models(project)) | {"auto", "cpu", "cuda"}
-    words = [a for a in argv if not a.startswith("-") and "=" not in a]
-    return next((w for w in words if w in settings), None)
+def checked_start(argv: list[str] | None = None) -> list[str]:
+    """What is wrong before any build is configured, one line each: the CUDABUILD_* variables
+    (cudabuild.environment), a setting given two values, a word that names no task. Raises them
+    at once where a word names no task: what the settings were meant for is not known."""
+    argv = sys.argv[1:] if argv is None else argv
+    named = {word: "target" if word in ("auto", "cpu", "cuda") else "model"
+             for word in [*list_models(project_root()), "auto", "cpu", "cuda"]}
+    found = environment.check() + doit_argv.given_twice(argv)
+    stray = doit_argv.stray_words(argv, ("export", "nightly"), named)
+    if stray:
+        raise InvalidConfig(found + stray)
+    return found
+
+
+def open_store(found: list[str]) -> Store:
+    """The store; one that cannot open (its folder a file, a remote tier's bad URL) adds its line to
+    what was `found` before it."""
+    try:
+        return Store()
+    except CudabuildError as e:
+        raise InvalidConfig(found + [line for line in error_lines(e) if line not in found]) from None
 
 
 def make_runner(cli: dict[str, str]) -> Runner:
-    word = bare_setting(sys.argv[1:], project_root())
-    if word is not None:
-        name = "target" if word in ("auto", "cpu", "cuda") else "model"
-        raise InvalidOption(f"'{word}' is not a task", fix=f"settings are NAME=VALUE: {name}={word}")
-    store = Store()
-    config = load_config(project_root(), cli, store)
+    found = checked_start()
+    store = open_store(found)
+    config = load_reporting(found, project_root(), cli, store)
     if building():
         require_device(config.target)
-        if config.target_note:
-            print(config.target_note, file=sys.stderr)
+        for note in (model_note(project_root(), cli), config.target_note):
+            if note:
+                print(note, file=sys.stderr)
     return with_warm(Runner(config, store, RUN_ID, capture_output=not terminal.streaming(), workers=WORKERS), cli)
 
 
@@ -407,6 +423,12 @@ def task_nightly():
     """
     if not requested("nightly"):
         return
+    try:
+        found = checked_start()
+        if found:
+            raise InvalidConfig(found)
+    except CudabuildError as e:
+        fail_fast(e)
     cli = cli_vars()
     project = project_root()
     cli.pop("cluster", None)

@@ -15,6 +15,7 @@ holds is checked by the model that reads it, in the recipe's `resolve`.
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
@@ -181,6 +182,24 @@ def check(model: str, target: Optional[str], options: Table, given: Mapping[str,
             continue
         values[name] = value
     return values, problems
+
+
+def given_twice(pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """A problem line per name given more than once with different values (`layers=1 layers=3`):
+    the command line says two things, and taking the last one would build what the user may not
+    have meant. The same value twice says one thing, and is no problem."""
+    values: dict[str, list[str]] = {}
+    for name, value in pairs:
+        if value not in values.setdefault(name, []):
+            values[name].append(value)
+    return [compose(" ".join(f"{name}={v}" for v in given), f"{name} is given {len(given)} values",
+                    fix=f"give {name} once") for name, given in values.items() if len(given) > 1]
+
+
+def closest(name: str, candidates: Iterable[str]) -> Optional[str]:
+    """The candidate a mistyped `name` most likely meant (`modle` -> `model`), or None."""
+    found = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.7)
+    return found[0] if found else None
 
 
 def names_for(options: Table, target: Optional[str]) -> list[str]:

@@ -9,14 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, new_project
 from cudabuild.cli import COMMANDS, main
 
 
-def run(args: list[str], tmp_path: Path, program: list[str] | None = None) -> subprocess.CompletedProcess:
-    # This checkout's cudabuild, whichever one the environment installed (the recipes import it).
-    env = {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
-           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+def hermetic_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A command's environment: a project of its own (a copy of this checkout's dodo.py, cudabuild/
+    and recipes/, with no build/ and no .doit.db), its own cache and HOME, and this checkout's
+    cudabuild, whichever one the environment installed (the recipes import it). What the checkout
+    holds (the README's everyday commands leave build/tiny_lm/cpu/detached.json) must not decide
+    what a test sees."""
+    project = tmp_path / "project"
+    if not project.exists():
+        new_project(tmp_path)
+    return {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
+            "CUDABUILD_PROJECT": str(project), "HOME": str(tmp_path), "PYTHONPATH": str(REPO), **extra}
+
+
+def run(args: list[str], tmp_path: Path, program: list[str] | None = None, **extra: str) -> subprocess.CompletedProcess:
+    env = hermetic_env(tmp_path, **extra)
     # A bound for a hung command, not for a slow one: `explain` imports torch for the recipe, which
     # takes minutes on a machine busy with other builds.
     return subprocess.run((program or [sys.executable, "-m", "cudabuild"]) + args, env=env, cwd=tmp_path,
@@ -53,6 +64,9 @@ def test_console_script_runs_the_same_main(tmp_path):
     (["explain", "tiny_lm"], "explain takes NAME=VALUE settings as doit export does"),
     (["wait", "model=tiny_lm", "target=cpu"], "no detached build of model=tiny_lm target=cpu in "),
     (["status", "model=tiny_lm", "target=cpu"], "`cudabuild start model=tiny_lm target=cpu` starts one"),
+    (["wait", "model=tiny_lm", "target=cpu", "--timeout", "-5"], "argument --timeout: expected a number of seconds >= 0, got '-5'"),
+    (["status", "model=tiny_lm", "target=cpu", "target=cuda"], "target=cpu target=cuda: target is given 2 values; give target once"),
+    (["explain", "modle=tiny_lm"], "unknown setting 'modle' for model qwen_moe (the default: no model= given); did you mean model=?"),
 ])
 def test_errors_are_one_line_with_status_2(args, message, tmp_path):
     done = run(args, tmp_path)
@@ -83,8 +97,7 @@ def test_main_returns_the_status_in_process(capsys, monkeypatch, tmp_path):
 
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     # `cudabuild cache stats | head -0`: the pipe is closed before anything is written to it.
-    env = {"PATH": str(Path(sys.executable).parent), "CUDABUILD_CACHE_DIR": str(tmp_path / "cache"),
-           "CUDABUILD_PROJECT": str(REPO), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = hermetic_env(tmp_path)
     command = subprocess.Popen([sys.executable, "-m", "cudabuild", "cache", "stats"], env=env, cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     command.stdout.close()

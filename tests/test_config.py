@@ -216,9 +216,14 @@ BAD_INPUT = [
     ("option-choice", ["model=qwen_moe", "size=huge"], "qwen_moe option size=huge: expected one of tiny, 35b-a3b (default tiny)"),
     ("option-target", ["model=qwen_moe", "target=cuda", "chunk=8"],
      "qwen_moe option chunk=8 applies to target cpu only, not cuda; drop it for target=cuda"),
-    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; recipe options: layers, seed; specs: "
-     "autotune_at_compile_time, autotune_pointwise, compile_wrapper_opt_level, coordinate_descent_tuning, "
-     "emulate_precision_casts, low_memory_mode, max_autotune, platform, shim_library_path, triton_kernel_mode (or METHOD.SPEC)"),
+    ("unknown-setting", ["model=tiny_lm", "sed=1"], "unknown setting 'sed' for model tiny_lm; did you mean seed=?; "
+     "recipe options: layers, seed; specs: autotune_at_compile_time, autotune_pointwise, compile_wrapper_opt_level, "
+     "coordinate_descent_tuning, emulate_precision_casts, low_memory_mode, max_autotune, platform, shim_library_path, "
+     "triton_kernel_mode (or METHOD.SPEC)"),
+    # With no model= the default's options are the ones looked in; a typo of model is named as one.
+    ("model-typo", ["modle=tiny_lm"], "unknown setting 'modle' for model qwen_moe (the default: no model= given); did "
+     "you mean model=?; recipe options: checkpoint, chunk, layers, max_seq_len, seed, size; specs: "),
+    ("given-twice", ["model=tiny_lm", "layers=1", "layers=3"], "layers=1 layers=3: layers is given 2 values; give layers once"),
     ("resolve", ["model=qwen_moe", "max_seq_len=3"],
      "qwen_moe option max_seq_len=3: expected an integer >= 4 (default 0: from the checkpoint or the size)"),
     ("no-folder", ["model=qwen_moe", "checkpoint={ckpt}"], "qwen_moe option checkpoint={ckpt}: no such folder"),

@@ -105,3 +105,15 @@ def test_every_recipe_declares_every_option_with_a_type_and_a_range_or_choices()
                     assert option.minimum is not None or option.choices, where
                 elif option.kind is str:
                     assert option.folder or option.choices, where
+
+
+def test_a_name_given_two_values_is_one_problem_and_the_same_value_twice_none():
+    assert opt.given_twice([("layers", "1"), ("seed", "0"), ("layers", "3"), ("layers", "1")]) == [
+        "layers=1 layers=3: layers is given 2 values; give layers once"]
+    assert opt.given_twice([("layers", "3"), ("layers", "3")]) == []
+
+
+def test_closest_names_what_a_typo_meant_and_nothing_for_a_stranger():
+    assert opt.closest("modle", ["model", "target", "layers"]) == "model"
+    assert opt.closest("max_autotun", ["max_autotune", "low_memory_mode"]) == "max_autotune"
+    assert opt.closest("banana", ["model", "target", "layers"]) is None

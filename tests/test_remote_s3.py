@@ -379,7 +379,8 @@ def test_gc_remote_from_the_command_line(s3_env, tmp_path):
     assert s3_tier(url, []).put_blob(sha_of(data), io.BytesIO(data))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDABUILD_")}
     env.update(CUDABUILD_REMOTE=url, CUDABUILD_CACHE_DIR=str(tmp_path / "cache"))
-    run = lambda *args: subprocess.run([sys.executable, "-m", "cudabuild", "cache", "gc", "--remote", *args], cwd=REPO,
+    env.update(CUDABUILD_PROJECT=str(tmp_path))  # an empty project of its own, whatever the checkout holds
+    run = lambda *args: subprocess.run([sys.executable, "-m", "cudabuild", "cache", "gc", "--remote", *args], cwd=tmp_path,
                                        env=env, capture_output=True, text=True, timeout=600)
     done = run("--max-size", "1K", "--dry-run")
     assert done.returncode == 0, done.stderr

@@ -34,7 +34,10 @@ from cudabuild.errors import CudabuildError
 
 # A region smaller than this is glue, copied into the manifest rather than looked up
 # ($CUDABUILD_SPANS_MIN_REGION, bytes: the tests lower it to see spans in a small model's build).
-MIN_REGION = int(os.environ.get("CUDABUILD_SPANS_MIN_REGION") or 64 << 10)
+# A bad value is the default here: read at import, it cannot stop with a traceback, and the
+# check before anything runs (cudabuild.environment) says what is wrong with it.
+_GIVEN = os.environ.get("CUDABUILD_SPANS_MIN_REGION", "").strip()
+MIN_REGION = int(_GIVEN) if _GIVEN.isdigit() else 64 << 10
 # A manifest holding more literal bytes than this moves them into a blob of glue of their own (spilled).
 MAX_LITERAL = 1 << 20
 # Nor is one of more than this share of the file's size (a small model's files: mostly glue).

@@ -512,7 +512,8 @@ class Store:
 
     def record_build(self, manifest: dict) -> None:
         """Append one finished build's manifest (stages, statuses, seconds) to the log."""
-        entry = {k: manifest[k] for k in ("model", "target", "stages", "outputs") if k in manifest}
+        # The options and specs too: `cudabuild report` tells builds of other settings apart by them.
+        entry = {k: manifest[k] for k in ("model", "target", "options", "specs", "stages", "outputs") if k in manifest}
         entry["time"] = time.time()
         self._set(f"log:{entry['time']:017.6f}:{os.getpid()}", json.dumps(entry, sort_keys=True), "the build log")
 

@@ -27,7 +27,18 @@ from cudabuild.engine import interrupt
 from cudabuild.engine.console import terminal
 from cudabuild.engine.explain import not_cached_words
 
-TICK_SECONDS = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS", "15"))
+
+def _tick_seconds(default: float = 15.0) -> float:
+    """$CUDABUILD_PROGRESS_SECONDS; a bad value is the default here (this is read at import, where
+    it cannot stop with a traceback): the check before anything runs (cudabuild.environment) says it."""
+    try:
+        seconds = float(os.environ.get("CUDABUILD_PROGRESS_SECONDS") or default)
+    except ValueError:
+        return default
+    return seconds if 0 < seconds < float("inf") else default
+
+
+TICK_SECONDS = _tick_seconds()
 
 # task name -> seconds its stage took last time, or None; set by cudabuild.doit_tasks.
 _expected: Callable[[str], Optional[float]] = lambda name: None

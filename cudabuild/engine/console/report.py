@@ -1,8 +1,10 @@
 """`cudabuild report`: how long the last builds of a model took, stage by stage.
 
 Reads the store's build log (every finished build's manifest: cudabuild.engine.store.Store.record_build) and
-prints one column per build, one row per stage: its seconds and status. `svg()` draws the same as
-stacked bars, one per build. The SVG is written by hand: a few rectangles and labels need no
+prints a line per build (its number, time, target and settings: the options, and the specs that are
+not the same in every build shown, so that builds of other settings are told apart), then one column
+per build, one row per stage: its seconds and status, each in a sub-column of its own so that they
+line up. `svg()` draws the same as stacked bars, one per build. The SVG is written by hand: a few rectangles and labels need no
 plotting library (matplotlib alone is tens of MB for one chart). Engine half; no torch here.
 """
 
@@ -47,25 +49,70 @@ def _when(build: dict) -> str:
     return time.strftime("%m-%d %H:%M", time.localtime(build.get("time", 0)))
 
 
+def settings(builds: list[dict]) -> list[str]:
+    """Per build, its settings as `layers=2 seed=0 decode.max_autotune=ON`: every option, and the
+    specs whose value is not the same in all of `builds` (each build has a dozen; these tell them apart)."""
+    specs = [{f"{m}.{k}": v for m, keyed in (b.get("specs") or {}).items() for k, v in keyed.items()} for b in builds]
+    names = sorted({name for s in specs for name in s})
+    logged = [s for b, s in zip(builds, specs) if "specs" in b]
+    differing = [n for n in names if len({str(s.get(n)) for s in logged}) > 1]
+    shown = []
+    for build, spec in zip(builds, specs):
+        if "options" not in build:  # logged before the log kept settings
+            shown.append("(settings not logged)")
+            continue
+        words = [f"{k}={_value(v)}" for k, v in sorted(build["options"].items())]
+        words += [f"{n}={spec[n]}" if n in spec else f"{n}=(default)" for n in differing]
+        shown.append(" ".join(words) or "(no options)")
+    return shown
+
+
+def _value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "''" if value == "" else str(value)
+
+
 def table(builds: list[dict]) -> list[str]:
-    """Rows of text: a header of build times, then seconds and status per stage, then totals."""
+    """Rows of text: a line per build (number, time, target, settings), then a column per build of
+    seconds and status per stage, then totals, then the legend."""
     if not builds:
         return []
     ids = _stage_ids(builds)
     cells_of = [_cells(b) for b in builds]  # once per build, not once per row
-    width = max(len(i) for i in ids + ["stage"]) + 2
-    header = "stage".ljust(width) + "".join(f"{_when(b) + ' ' + b.get('target', ''):>22}" for b in builds)
-    lines = [header]
+    names = [f"#{i + 1}" for i in range(len(builds))]
+    widths = [len("build"), len(_when(builds[0])), max(len(b.get("target", "")) for b in builds + [{"target": "target"}])]
+    lines = [_row(["build", "when", "target", "settings"], widths)]
+    lines += [_row([name, _when(build), build.get("target", ""), words], widths)
+              for name, build, words in zip(names, builds, settings(builds))]
+    lines.append("")
+
+    def seconds_text(seconds: float, status: str) -> str:
+        return f"{seconds:.1f}s" if status in _TIMED else ""
+
+    totals = [sum(seconds for seconds, status in c.values() if status in _TIMED) for c in cells_of]
+    # Two sub-columns per build: the seconds right-aligned, the status left-aligned after them.
+    seconds_width = max([len(f"{t:.1f}s") for t in totals] + [len(n) for n in names])
+    status_width = max(len(STATUS_MARK.get(status, status)) for c in cells_of for _, status in c.values())
+    width = max(len(i) for i in ids + ["stage", "total"]) + 2
+
+    def row(label: str, cells: list[tuple[str, str]]) -> str:
+        return (label.ljust(width) + "   ".join(f"{a:>{seconds_width}} {b:<{status_width}}" for a, b in cells)).rstrip()
+
+    lines.append(row("stage", [(name, "") for name in names]))
     for sid in ids:
         cells = []
         for build_cells in cells_of:
-            seconds, status = build_cells.get(sid, (0.0, ""))
-            mark = STATUS_MARK.get(status, status)  # "" where the build had no such stage
-            cells.append(f"{(f'{seconds:.1f}s ' if status in _TIMED else '') + mark:>22}")
-        lines.append(sid.ljust(width) + "".join(cells))
-    totals = [sum(seconds for seconds, status in c.values() if status in _TIMED) for c in cells_of]
-    lines.append("total".ljust(width) + "".join(f"{f'{t:.1f}s':>22}" for t in totals))
+            seconds, status = build_cells.get(sid, (0.0, ""))  # "" where the build had no such stage
+            cells.append((seconds_text(seconds, status), STATUS_MARK.get(status, status)))
+        lines.append(row(sid, cells))
+    lines.append(row("total", [(f"{t:.1f}s", "") for t in totals]))
     return lines + [LEGEND]
+
+
+def _row(words: list[str], widths: list[int]) -> str:
+    """Words in columns of `widths`, the last one as long as it is."""
+    return "  ".join(w.ljust(width) for w, width in zip(words, widths + [0])).rstrip()
 
 
 # The statuses whose seconds a cell shows: the stage did something in that build (a cached one did nothing).
