@@ -123,6 +123,7 @@ VARIABLES = (
     Variable("CUDABUILD_JOBS", _whole(1, "a whole number of stages to run at once, 1 or more")),
     Variable("CUDABUILD_VERBOSE", _flag),
     Variable("CUDABUILD_DEVICE_MEMORY", _size("CUDABUILD_DEVICE_MEMORY"), whole_line=True),
+    Variable("CUDABUILD_HOST_MEMORY", _size("CUDABUILD_HOST_MEMORY"), whole_line=True),
     Variable("CUDABUILD_INDUCTOR_DIR", _folder(must_exist=False)),
     Variable("CUDABUILD_KEEP_INDUCTOR", _flag),
     Variable("CUDABUILD_KERNEL_CACHE", _folder(must_exist=False)),
