@@ -357,6 +357,34 @@ def test_full_disk_fails_in_one_line_and_a_build_with_room_succeeds(built_tiny, 
     assert_cache_verifies(project)
 
 
+@pytest.fixture
+def twelve_mb_disk(tmp_path):
+    yield from tmpfs(tmp_path / "disk", 12 << 20)
+
+
+@pytest.mark.slow
+def test_a_first_build_on_a_12_mb_disk_names_the_full_disk_in_every_stage_it_stops(project, tmp_path, twelve_mb_disk):
+    """Issue 59: a tiny_lm build with its cache on a 12 MB tmpfs, two stages at once. compile.prefill
+    met the disk in its move of the .so into the cache and then again in the admission's ledger,
+    and blob.decode in storing its blob: both said a bare `OSError: [Errno 28]`. Every stage that
+    stops says which disk filled and what to do, in the cache writer's words."""
+    cache = twelve_mb_disk / "cache"
+    small = Project(project.root, cache)
+    done = small.export(*BUILD_ARGS, env=small.env(CUDABUILD_JOBS=2), timeout=REBUILD_TIMEOUT)
+    text = done.stdout + done.stderr
+    errors = [line for line in text.splitlines() if line.startswith("cudabuild: error:")]
+    assert done.returncode != 0 and errors, text[-3000:]
+    for line in errors:
+        stage = line.split("]", 1)[0].removeprefix("cudabuild: error: [")
+        assert line.endswith(f"] cannot write to the cache at {cache} while running stage {stage}: its disk is full (No "
+                             "space left on device); free space there (cudabuild cache gc --max-size SIZE) or set "
+                             "CUDABUILD_CACHE_DIR to a disk with room"), text[-3000:]
+    assert "Traceback" not in text and "OSError" not in text, text[-3000:]
+    # What was stored before the disk filled is whole: nothing half-written is served.
+    shutil.copytree(cache, tmp_path / "roomy", symlinks=True)
+    assert_cache_verifies(Project(project.root, tmp_path / "roomy"))
+
+
 # -- doit's database ----------------------------------------------------------------------------
 
 

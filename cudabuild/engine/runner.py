@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import admission, executors
+from cudabuild.engine import admission, executors, room
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.explain import reason as explain_reason
@@ -191,7 +191,10 @@ class Runner:
     def execute(self, stage: Stage) -> str:
         """Bring one stage up to date; returns ran, cached, restored or remote."""
         self.record_startup()
-        with self.recorder.span(stage.id, "stage", step="execute") as span:
+        # A full disk met anywhere in it (the stage, storing or restoring what it made, its log,
+        # in this process or a warm one) is said in the one line every stage says (room.named).
+        with room.named(stage.id, self.store.root, self.config.build_dir), \
+                self.recorder.span(stage.id, "stage", step="execute") as span:
             span["status"] = status = self._execute(stage, span)
         return status
 
