@@ -331,6 +331,10 @@ def task_export():
         return
     try:
         runner = make_runner(cli_vars())
+        if building():
+            # What killed stages left in the cache's work folders (a SIGKILL, a warm call that did
+            # not unwind in time) goes before anything is measured or built.
+            runner.store.sweep_work()
         if requested("export"):
             check_room(runner)
     except CudabuildError as e:
@@ -396,6 +400,8 @@ def task_nightly():
     models = [m for m in cli.pop("models", "").split(",") if m] or list_models(project)
     targets = [t for t in cli.pop("targets", "").split(",") if t] or ["auto"]
     store = Store()
+    if building():
+        store.sweep_work()  # what killed stages left (see task_export)
     pool = None
     try:
         if CLUSTER:

@@ -64,8 +64,10 @@ def test_sigkill_during_a_stage_then_rebuild_matches_a_clean_build(built_tiny, t
     assert not (build_dir(tiny_copy) / ".stamps" / f"{stage}.json").exists(), "the kill came after the stage ended"
     assert stage not in records(tiny_copy).values()
 
+    assert list(workdirs.iterdir()), "the killed stage left no work folder"
     statuses = rebuild(tiny_copy)
     assert statuses[stage] == "ran"
+    assert not list(workdirs.iterdir()), "the next build left the killed stage's work folder"
     assert_same_outputs(tiny_copy, built_tiny)
     if stage.startswith("compile"):
         # A fresh compile with the same key gives the same bytes, so nothing downstream reruns.
@@ -92,6 +94,7 @@ def test_ctrl_c_mid_compile_is_one_line_ends_every_process_and_the_rerun_resumes
         assert signal_when(build, compiling, signal.SIGINT), build.output()[-3000:]
         assert build.wait() == 130, build.output()[-3000:] + errors.read_text()
         left = processes_marked(mark)  # the moment the command returned
+        work_left = list((tiny_copy.cache / "work").iterdir())  # each interrupted stage removes its own
         said = errors.read_text().splitlines()
         explained = tiny_copy.cudabuild("explain", "model=tiny_lm", "target=cpu").stdout.splitlines()[1:]
         up_to_date = [line for line in explained if line.split(None, 1)[1].startswith("up to date")]
@@ -104,6 +107,7 @@ def test_ctrl_c_mid_compile_is_one_line_ends_every_process_and_the_rerun_resumes
     pids = {p.pid: p for p in left}
     serving = [p for p in left if p.ppid in pids and "--worker" in pids[p.ppid].argv]  # a warm call's process
     assert [p for p in left if "warm_server.py" not in " ".join(p.argv)] == [] and serving == [], left
+    assert work_left == []
 
     statuses = rebuild(tiny_copy)  # the compile that was interrupted runs; what was done is not done again
     assert "ran" in (statuses["compile.decode"], statuses["compile.prefill"]) and statuses["edge.decode"] == "cached"

@@ -640,17 +640,25 @@ class Store:
         with tempfile.TemporaryDirectory(prefix=f"{stage_id}-{os.getpid()}-", dir=work) as folder:
             yield Path(folder)
 
-    def orphan_work(self) -> list[tuple[Path, int]]:
-        """The work folders (work_folder) of stages whose process is gone (killed), with their
-        bytes: what a stage was writing when it died, never stored."""
+    def work_folders(self) -> list[tuple[Path, int, bool]]:
+        """Every stage's work folder (work_folder), with its bytes and whether its process still
+        runs (False: killed, what it was writing never stored)."""
         found = []
         for folder in sorted((self.root / "work").glob("*-*-*")):
-            pid = folder.name.split("-")[1]
-            if not pid.isdigit() or processes.alive(int(pid)):
+            pid = folder.name.rsplit("-", 2)[1]  # <stage>-<pid>-<tempfile's suffix, which has no "-">
+            if not pid.isdigit():
                 continue
-            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            found.append((folder, size))
+            size = 0
+            with contextlib.suppress(OSError):  # a running stage's files (and folder) come and go
+                for path in folder.rglob("*"):
+                    with contextlib.suppress(OSError):
+                        size += path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+            found.append((folder, size, processes.alive(int(pid))))
         return found
+
+    def orphan_work(self) -> list[tuple[Path, int]]:
+        """The work folders of stages whose process is gone (killed), with their bytes."""
+        return [(folder, size) for folder, size, running in self.work_folders() if not running]
 
     def sweep_work(self) -> tuple[int, int]:
         """Delete the work folders of killed stages (orphan_work); (folders, bytes) deleted."""
