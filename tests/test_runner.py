@@ -58,6 +58,22 @@ def test_a_missing_output_is_restorable_and_only_a_lookup_finds_that(runner_for)
     assert runner.execute(stage) == "restored" and (project.build_dir / "model.pte").exists()
 
 
+def test_a_build_that_only_restores_writes_each_stage_s_log_saying_so(runner_for):
+    """Issue 59: after `rm -rf build`, a build that restores every stage wrote no logs/, though
+    the README lists logs/<stage>.log. Each restored stage's log now says it ran nothing here,
+    and where its outputs came from."""
+    make, project = runner_for
+    shutil.rmtree(project.root / "build")
+    runner = make()
+    stages = runner.pipeline.plan(runner.config)
+    assert {runner.execute(stage) for stage in stages} == {"restored"}
+    for stage in stages:
+        log = (project.build_dir / "logs" / f"{stage.id}.log").read_text()
+        assert log.startswith(f"{stage.id}: restored from the cache at {project.cache} (key {runner.read_stamp(stage).key[:12]}), "
+                              "not run in this build, so nothing was printed"), log
+        assert log.count("\n") == 1
+
+
 def test_a_spec_change_runs_that_methods_compile_and_waits_on_predicted_results(runner_for):
     make, _ = runner_for
     runner = make(**{"decode.emulate_precision_casts": "OFF"})

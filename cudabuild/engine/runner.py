@@ -41,7 +41,7 @@ from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
-from cudabuild.engine.files import move_or_copy
+from cudabuild.engine.files import atomic_write_text, move_or_copy
 from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
@@ -206,6 +206,7 @@ class Runner:
         if decision.verdict == "restorable":
             status = self.restore(stage, decision.key, decision.inputs, decision.record, decision.tier)
             if status:
+                self._log_restored(stage, status, decision.key, decision.record)
                 return self._note(stage, status)
         why = explain_reason(decision.old.inputs if decision.old else None, decision.inputs, self.pipeline)
         return self._note(stage, self._run(self._job(stage, decision.key, decision.inputs), why, span))
@@ -295,6 +296,18 @@ class Runner:
             run=self.run_id,
         ))
         return status
+
+    def _log_restored(self, stage: Stage, status: str, key: str, record: dict) -> None:
+        """A stage restored here ran nothing, so no library printed anything: its log (what a
+        user of build/ looks in, logs/<stage>.log) says so, and where its outputs came from, in
+        place of the log of a run that made other outputs."""
+        if not self.capture_output:
+            return  # a streaming build writes no logs
+        where = (f"the shared tier {self.store.remote.where}" if status == "remote" and self.store.remote is not None
+                 else f"the cache at {self.store.root}")
+        made = f"; it ran for {record['seconds']:.1f}s in the build that made it" if record.get("seconds") else ""
+        atomic_write_text(self.log_path(stage), f"{stage.id}: restored from {where} (key {key[:12]}), not run in this "
+                                                f"build, so nothing was printed{made}\n")
 
     def store_result(self, stage: Stage, key: str, inputs: dict, result: StageResult, started: float,
                      why: Optional[str], peak_rss: Optional[int], written_bytes: Optional[int] = None,
