@@ -82,6 +82,9 @@ class Runner:
     # How a stage that must run is run: here (the default), in the cache's warm process, or on a
     # cluster's worker (cudabuild.engine.executors).
     executor: executors.Executor = field(default_factory=executors.InProcess)
+    # Whether what a stage stores must reach the shared tier (a cluster's worker: its driver
+    # restores it from there), so a write-back that fails fails the stage.
+    publish_required: bool = False
     # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use, or
     # handed in (a cluster's worker keys on its driver's, cudabuild.cluster_worker).
     _fingerprint: Optional[dict] = None
@@ -338,9 +341,23 @@ class Runner:
             status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=peak_rss, written_bytes=written_bytes,
             peak_private=peak_private,
         ))
-        if self.store.remote is not None:
+        if self.store.remote is not None and (self.store.remote.writable or self.publish_required):
             with trace.phase("upload"):
-                self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
+                why = self.store.publish(key, record)  # write-back to the shared tier: blobs, then the record
+            if why is not None:
+                self._not_published(stage, key, why)
+
+    def _not_published(self, stage: Stage, key: str, why: str) -> None:
+        """Said where it happens: a result the shared tier did not take. Where it had to (a cluster's
+        worker, whose driver restores it from there), the stage fails; else a warning (this cache
+        keeps it; other machines build it themselves)."""
+        where = self.store.remote.where
+        if self.publish_required:
+            raise CudabuildError(f"stage {stage.id}: its result {key[:12]} was not written to the shared tier {where} "
+                                 f"({why}), so the driver cannot restore it; fix the tier (its warning says what "
+                                 "failed) and build again")
+        terminal.warn(f"stage {stage.id}: its result {key[:12]} was not written to the shared tier {where} ({why}); "
+                      "this cache keeps it, other machines will build it themselves")
 
     def keep_file(self, path: Path, sha: Optional[str] = None, regions: Optional[list] = None) -> str:
         """A running stage's file stored now (StageContext.keep); the work folder no longer holds it."""

@@ -53,6 +53,11 @@ from cudabuild.engine.records import well_formed
 # An unnamed value file this old is a killed write's leftover, not one about to be committed.
 ORPHAN_MIN_AGE_S = 3600
 
+# A new record's write-back to the shared tier (publish), whole, as the tiers' clients try one
+# call (cudabuild.engine.tiers.s3.client OP_ATTEMPTS, RETRY_PAUSE_S): each call retries first.
+PUSH_ATTEMPTS = 3
+PUSH_PAUSE_S = 0.2  # times the attempt number, between them
+
 # Documents a shared tier keeps too: what a recipe declares and what its options resolve to (both
 # keyed by the recipe's source digests), so a fresh machine restores without importing torch; and
 # a compile's GEMM/conv tuning decisions (keyed by its tuning inputs), so it does not tune again.
@@ -460,19 +465,39 @@ class Store:
         """Write a record back to the remote tier (`tier`, default self.remote): every blob it names
         first, then the record, so no reader there sees a record whose blobs are incomplete. False
         when there is no writable tier, a blob is missing here, or an upload did not complete."""
-        tier = tier or self.remote
-        if tier is None or not tier.writable:
-            return False
+        return self._push(key, record, tier or self.remote) is None
+
+    def publish(self, key: str, record: dict) -> Optional[str]:
+        """push to the shared tier, tried again as the tiers try a call again (PUSH_ATTEMPTS, a
+        longer pause each time) while it still takes writes: a fault one call's own retries did
+        not outlast costs a second push, not the record. None once the record is there; else why
+        not, in words, for the caller to say where it happens."""
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            why = self._push(key, record, self.remote)
+            if why is None:
+                return None
+            # A tier given up, refusing writes or read-only refuses a try again too.
+            if attempt == PUSH_ATTEMPTS or self.remote is None or not self.remote.writable:
+                break
+            time.sleep(PUSH_PAUSE_S * attempt)
+        return why if attempt == 1 else f"{why}; tried {attempt} times"
+
+    def _push(self, key: str, record: dict, tier) -> Optional[str]:
+        """push: None once the record is in the tier, else why not."""
+        if tier is None:
+            return "no shared tier is set"
+        if not tier.writable:
+            return "it takes no writes from this process (read-only, or given up or refused a write earlier: see its warning)"
         for sha in sorted(set(record.get("outputs", {}).values())):
             if not self.has_blob(sha) and tier.has_blobs([sha]):
                 continue  # handed on unchanged from a stage that ran on another machine: the tier has it
             try:
                 with self._open_blob(sha) as handle:
                     if not tier.put_blob(sha, handle):
-                        return False
+                        return f"the upload of blob {sha[:12]} failed"
             except MissingBlob:
-                return False
-        return tier.put_record(key, record)
+                return f"blob {sha[:12]} is in neither this cache nor the tier"
+        return None if tier.put_record(key, record) else "the write of its record failed"
 
     # -- small JSON documents (recipe descriptions, logs) ---------------------------------------
 
