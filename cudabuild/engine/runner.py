@@ -368,12 +368,26 @@ class Runner:
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         """Outputs handed on from upstream unchanged: blobs this cache holds, or the shared tier
         does (on a cluster's worker whose upstream stage ran on another worker, the blob is there
-        only; Store.push then leaves it where it is)."""
-        missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
+        only; Store.push then leaves it where it is). One that is in neither (found corrupt and
+        dropped since its producer stored it: a stage that hands a compiled .so on never reads it)
+        has its producer run again, as a bad blob a stage reads does (_serve); the stage may hand
+        on what that makes only when it is the same bytes, since what else the stage made was made
+        with the old ones."""
         remote = self.store.remote
-        if missing and not (remote is not None and remote.has_blobs([stored[name] for name in missing])):
-            where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
-            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in {where}")
+        here = lambda sha: self.store.has_blob(sha) or (remote is not None and remote.has_blobs([sha]))  # noqa: E731
+        where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
+        for name, sha in sorted(stored.items()):
+            if here(sha):
+                continue
+            producer = self._producer_of(stage, sha)
+            if producer is None:
+                raise CudabuildError(f"stage {stage.id} handed on {name}, which is no longer in {where}")
+            self._rebuild(producer[0])
+            again = self._sha_of(*producer)
+            if again != sha or not here(sha):
+                raise CudabuildError(f"stage {stage.id} handed on {name} of {producer[0].id}, which was no longer in "
+                                     f"{where} and, made again, is other bytes ({again[:12]}, not {sha[:12]}); build "
+                                     "again: the stage then runs on the new one")
         return dict(stored)
 
     # -- reading upstream outputs ----------------------------------------------------------------
@@ -419,14 +433,21 @@ class Runner:
     def output_path(self, stage: Stage, name: str) -> Path:
         return self._serve(stage, name, self.store.verified_path)
 
-    def output_path_of_sha(self, consumer: Stage, sha: str) -> Path:
-        """output_path of the output with this sha256 among those of `consumer`'s upstream stages."""
+    def _producer_of(self, consumer: Stage, sha: str) -> Optional[tuple[Stage, str]]:
+        """(the upstream stage of `consumer` that recorded an output with this sha256, its name), or None."""
         for upstream in self.pipeline.dependencies(consumer, self.config):
             stamp = self.read_stamp(upstream)
             name = next((n for n, s in sorted(stamp.outputs.items()) if s == sha), None) if stamp else None
             if name is not None:
-                return self.output_path(upstream, name)
-        raise CudabuildError(f"stage {consumer.id} reads blob {sha[:12]}, which none of the stages it depends on made")
+                return upstream, name
+        return None
+
+    def output_path_of_sha(self, consumer: Stage, sha: str) -> Path:
+        """output_path of the output with this sha256 among those of `consumer`'s upstream stages."""
+        producer = self._producer_of(consumer, sha)
+        if producer is None:
+            raise CudabuildError(f"stage {consumer.id} reads blob {sha[:12]}, which none of the stages it depends on made")
+        return self.output_path(*producer)
 
     @contextlib.contextmanager
     def output_file(self, stage: Stage, name: str):
