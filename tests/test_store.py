@@ -198,10 +198,13 @@ def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env
     """store_result says it at once (a warning; on a cluster's worker, whose driver restores from
     the tier, the stage fails) instead of the driver's later "not in the shared tier"."""
     from cudabuild.config import load_config
+    from cudabuild.engine.console import terminal
     from cudabuild.engine.context import StageResult
     from cudabuild.engine.graph import Stage
     from cudabuild.engine.runner import Runner
 
+    # The terminal's stderr is a copy of fd 2 made at its first use: made again, under capfd.
+    monkeypatch.setattr(terminal, "_STREAMS", {})
     store, _ = _s3_store(tmp_path / "cache", s3_env.url("store-result"), monkeypatch)
     try:
         config = load_config(project.root, {"model": "tiny_lm", "target": "cpu"}, store)
