@@ -374,20 +374,24 @@ class Runner:
         on what that makes only when it is the same bytes, since what else the stage made was made
         with the old ones."""
         remote = self.store.remote
-        here = lambda sha: self.store.has_blob(sha) or (remote is not None and remote.has_blobs([sha]))  # noqa: E731
+        in_remote = lambda shas: remote is not None and remote.has_blobs(shas)  # noqa: E731
+        missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
+        if not missing or in_remote([stored[name] for name in missing]):  # one question for them all
+            return dict(stored)
         where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
-        for name, sha in sorted(stored.items()):
-            if here(sha):
+        for name in missing:
+            sha = stored[name]
+            if in_remote([sha]):
                 continue
             producer = self._producer_of(stage, sha)
             if producer is None:
                 raise CudabuildError(f"stage {stage.id} handed on {name}, which is no longer in {where}")
             self._rebuild(producer[0])
             again = self._sha_of(*producer)
-            if again != sha or not here(sha):
+            if again != sha or not self.store.has_blob(sha):
                 raise CudabuildError(f"stage {stage.id} handed on {name} of {producer[0].id}, which was no longer in "
-                                     f"{where} and, made again, is other bytes ({again[:12]}, not {sha[:12]}); build "
-                                     "again: the stage then runs on the new one")
+                                     f"{where}; made again, it is other bytes ({again[:12]}, not {sha[:12]}): build "
+                                     "again, and the stage runs on the new one")
         return dict(stored)
 
     # -- reading upstream outputs ----------------------------------------------------------------
