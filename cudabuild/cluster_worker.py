@@ -77,7 +77,7 @@ def _runner(payload: dict, workspace: Path) -> tuple[Runner, Stage]:
     if differs := fingerprint_difference(ours, payload["fingerprint"]):
         raise WorkerMismatch(stage.id, f"this worker's toolchain is not its driver's ({differs})",
                              "packages and environment")
-    runner = Runner(config, store, payload["run"], capture_output=True, workers=1,
+    runner = Runner(config, store, payload["run"], capture_output=True, workers=1, publish_required=True,
                     _fingerprint=payload["fingerprint"], _startup_recorded=True)
     for stage_id, data in payload["upstream"].items():
         stamp = Stamp.from_json(data)

@@ -3,7 +3,8 @@
 `doit export model=NAME target=cpu size=tiny max_autotune=ON decode.low_memory_mode=ON`:
 `model` and `target` pick the build; a spec key (or `METHOD.KEY`) overrides a compile spec; any
 other name must be one of the recipe's options (its table: cudabuild/options.py, which checks
-type, range, choices and target). Then the recipe's `resolve` fills in what follows from them and
+type, range, choices and target). A folder option that takes a Hugging Face Hub id is given the
+snapshot folder the id resolves to (cudabuild.hub). Then the recipe's `resolve` fills in what follows from them and
 checks what they name (a checkpoint's config.json and its tensors' headers). Every problem is
 reported at once (InvalidConfig, one line per problem), before anything runs or enters the cache.
 """
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from cudabuild import hub, registry
 from cudabuild import options as option_table
-from cudabuild import registry
 from cudabuild.errors import CudabuildError, InvalidConfig, InvalidOption, UnknownTarget, compose
 from cudabuild.specs import SPEC_TABLE, merge_method_specs
 from cudabuild.backend.toolchain import resolve_target
@@ -78,6 +79,26 @@ class BuildConfig:
         return registry.load_recipe(self.project, self.model).for_target(self.target)
 
 
+def _hub_ids(model: str, target: Optional[str], table, given: Mapping[str, str], store) -> tuple[dict, list[str]]:
+    """`given`, each Hugging Face Hub id of an option that takes one (`checkpoint=ORG/NAME[@REV]`)
+    replaced by its snapshot folder in the Hub's cache (cudabuild.hub); a problem for each that
+    cannot be, that option then left at its default. The build keys the folder by its content, so
+    an id and the folder it resolves to are one build."""
+    out, problems = dict(given), []
+    for option in table:
+        value = given.get(option.name)
+        if not (option.hub and isinstance(value, str) and (target is None or option.applies_to(target))):
+            continue
+        if hub.parse(value) is None:
+            continue  # a path: the table's check says whether it is a folder
+        try:
+            out[option.name] = str(hub.resolve(value, f"{model} option {option.name}={value}", store))
+        except CudabuildError as e:
+            problems.append(str(e))
+            del out[option.name]
+    return out, problems
+
+
 def load_config(project: Path, cli: Mapping[str, str], store, build_root: Optional[Path] = None) -> BuildConfig:
     """Merge the command line (`name=value` pairs) with the recipe's declarations.
 
@@ -119,6 +140,8 @@ def load_config(project: Path, cli: Mapping[str, str], store, build_root: Option
                 f"unknown setting '{name}' for {whose}" + (f"; did you mean {meant}=?" if meant else ""),
                 fix=f"recipe options: {', '.join(option_table.names_for(table, target)) or 'none'}; "
                 f"specs: {', '.join(sorted(SPEC_TABLE))} (or METHOD.SPEC)"))
+    given, hub_problems = _hub_ids(model, target, table, given, store)
+    problems.extend(hub_problems)
     options, option_problems = option_table.check(model, target, table, given)
     problems.extend(option_problems)
 

@@ -364,6 +364,10 @@ def task_export():
         return
     try:
         runner = make_runner(cli_vars())
+        if building():
+            # What killed stages left in the cache's work folders (a SIGKILL, a warm call that did
+            # not unwind in time) goes before anything is measured or built.
+            runner.store.sweep_work()
         if requested("export") and building():
             check_room(runner)
             admission.device_preflight(runner)
@@ -436,6 +440,8 @@ def task_nightly():
     models = [m for m in cli.pop("models", "").split(",") if m] or list_models(project)
     targets = [t for t in cli.pop("targets", "").split(",") if t] or ["auto"]
     store = Store()
+    if building():
+        store.sweep_work()  # what killed stages left (see task_export)
     pool = None
     try:
         if CLUSTER:

@@ -37,6 +37,9 @@ class Option:
     folder: bool = False  # a path to a folder that must exist ("" for none)
     meaning: Mapping[Any, str] = field(default_factory=dict)  # value -> what it means, e.g. {0: "every layer"}
     help: str = ""
+    # A folder that may also be named by its Hugging Face Hub id (ORG/NAME[@REV]), which the
+    # configuration resolves to its snapshot folder before this table's check (cudabuild.hub).
+    hub: bool = False
 
     def __post_init__(self):
         # A recipe that names its targets by a variable it later rebinds (to a Recipe, say) would
@@ -65,7 +68,8 @@ class Option:
             elif self.maximum is not None:
                 text += f" <= {shown(self.maximum)}"
             if self.folder:
-                text = "an existing folder (or '' for none)"
+                text = "an existing folder" + (" or a Hugging Face Hub id ORG/NAME[@REVISION]" if self.hub else "") + \
+                       " (or '' for none)"
         default = f"default {shown(self.default)}"
         if self.default in self.meaning:
             default += f": {self.meaning[self.default]}"
@@ -79,13 +83,13 @@ class Option:
     def as_data(self) -> dict:
         return {"name": self.name, "default": self.default, "minimum": self.minimum, "maximum": self.maximum,
                 "choices": list(self.choices), "targets": list(self.targets), "folder": self.folder,
-                "meaning": [[k, v] for k, v in self.meaning.items()], "help": self.help}
+                "meaning": [[k, v] for k, v in self.meaning.items()], "help": self.help, "hub": self.hub}
 
     @classmethod
     def from_data(cls, data: Mapping) -> "Option":
         return cls(data["name"], data["default"], data.get("minimum"), data.get("maximum"), tuple(data.get("choices") or ()),
                    tuple(data.get("targets") or ()), bool(data.get("folder")),
-                   {k: v for k, v in data.get("meaning") or ()}, data.get("help") or "")
+                   {k: v for k, v in data.get("meaning") or ()}, data.get("help") or "", bool(data.get("hub")))
 
 
 Table = tuple[Option, ...]

@@ -82,12 +82,24 @@ def _weights_options(config) -> set[tuple[str, ...]]:
     return {("options", name) for name in config.description.get("weights_options") or ()}
 
 
+def _keyed_options(config) -> dict:
+    """The options as a key holds them. A folder's enters by its content (the checkpoint's digest
+    below; a bundle's through quantize's result), not by the name it was given: a path, or a Hub
+    id and the snapshot it resolves to (cudabuild.hub), key one build alike."""
+    folders = {o["name"] for o in config.description.get("option_table", ()) if o.get("folder")}
+    return {name: FOLDER_BY_CONTENT if name in folders and value else value for name, value in config.options.items()}
+
+
+# What a folder option that is set holds in a key, in place of its path.
+FOLDER_BY_CONTENT = "(keyed by its content)"
+
+
 def _export(ctx: KeyContext) -> dict:
     config = ctx.config
     return {
         "model": config.model,
         "sources": dict(config.description["sources"]),
-        "options": dict(config.options),
+        "options": _keyed_options(config),
         "checkpoint": ctx.checkpoint_digest(),
         "toolchain": _toolchain(ctx, "torch"),
         **({"strict": True} if config.description.get("strict_export") else {}),

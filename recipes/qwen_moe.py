@@ -3,6 +3,7 @@
     doit export model=qwen_moe                                         # size=tiny, random weights
     doit export model=qwen_moe size=35b-a3b layers=4 target=cuda       # real shapes, first 4 layers
     doit export model=qwen_moe checkpoint=/models/Qwen3.5-35B-A3B target=cuda
+    doit export model=qwen_moe checkpoint=Qwen/Qwen3.5-35B-A3B target=cuda   # a Hub id: its cached snapshot
     doit export model=qwen_moe prequantized=/models/qwen35_moe_quantized target=cuda
 
 The model is ExecuTorch's (executorch.examples.models.qwen3_5_moe.model.Qwen35MoE) on every target.
@@ -43,7 +44,8 @@ OPTIONS = (
     Option("size", "tiny", choices=tuple(qwen35_moe_quantize.SIZES),
            help="a named size: tiny (the stock --tiny-test config) or 35b-a3b; random weights"),
     Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
-    Option("checkpoint", "", folder=True, help="a Hugging Face checkpoint folder"),
+    Option("checkpoint", "", folder=True, hub=True,
+           help="a Hugging Face checkpoint folder, or its Hub id (ORG/NAME[@REVISION]) in the Hub's cache"),
     Option("prequantized", "", folder=True, targets=CUDA_ONLY, help="a bundle of ExecuTorch's quantize_and_save.py"),
     Option("seed", 42, minimum=0, help="the random weights' seed (the stock --tiny-test's; another is new weights for the same code)"),
     Option("max_seq_len", 0, minimum=0, maximum=262_144, meaning={0: "from the checkpoint or the size"},

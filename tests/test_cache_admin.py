@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -261,5 +262,44 @@ def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_li
         enforced = cache_admin.enforce_limit(store, project)
         assert enforced.evicted_blobs == 1 and enforced.evicted_beside == {}
         assert [p.name for p in kernels.iterdir()] == ["newer"]
+    finally:
+        store.close()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped): what a killed stage's folder names."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def test_stats_and_gc_agree_on_the_work_folders_killed_stages_left_and_spare_running_ones(tmp_path, monkeypatch, capsys):
+    """Issue 59: after a Ctrl-C, `cache stats` said `work/ 0 files 0 B` while `cache gc --dry-run`
+    said it would delete 2 work folders. Both count the folders now; gc deletes a killed stage's
+    folder only, and never a running stage's, whatever the limit (it used to evict a running
+    stage's files as a folder beside the store)."""
+    monkeypatch.delenv("CUDABUILD_REMOTE", raising=False)
+    monkeypatch.setenv("CUDABUILD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUDABUILD_PROJECT", str(tmp_path / "project"))
+    store = Store(tmp_path / "cache")
+    try:
+        work = tmp_path / "cache" / "work"
+        killed = [work / f"compile.decode-{_dead_pid()}-ab12cd34", work / f"export.text-decoder-{_dead_pid()}-x_9"]
+        for folder in killed:
+            folder.mkdir(parents=True)  # empty, as an interrupted compile leaves its folder
+        with store.work_folder("blob.decode") as running:
+            (running / "weights.blob").write_bytes(b"x" * 5000)
+            lines = cache_admin.stats(store).lines(store.root)
+            assert "work/: 2 folders (0 B) that killed stages left behind; the next build or `cudabuild cache gc` " \
+                   "deletes them" in lines, lines
+            assert "work/: 1 folder (4.9 KiB) of stages running now" in lines, lines
+            assert not any(line.startswith("beside it: work/") for line in lines), lines
+            assert main(["cache", "gc", "--dry-run", "--max-size", "1"]) == 0
+            assert "would delete 2 work folders (0 B) that killed stages left behind" in capsys.readouterr().out
+            report = cache_admin.gc(store, tmp_path / "project", max_bytes=0)
+            assert (report.work_folders, report.evicted_beside) == (2, {})
+            assert not any(folder.exists() for folder in killed)
+            assert (running / "weights.blob").read_bytes() == b"x" * 5000
+        assert not [line for line in cache_admin.stats(store).lines(store.root) if "work/" in line]
     finally:
         store.close()

@@ -64,8 +64,10 @@ def test_sigkill_during_a_stage_then_rebuild_matches_a_clean_build(built_tiny, t
     assert not (build_dir(tiny_copy) / ".stamps" / f"{stage}.json").exists(), "the kill came after the stage ended"
     assert stage not in records(tiny_copy).values()
 
+    assert list(workdirs.iterdir()), "the killed stage left no work folder"
     statuses = rebuild(tiny_copy)
     assert statuses[stage] == "ran"
+    assert not list(workdirs.iterdir()), "the next build left the killed stage's work folder"
     assert_same_outputs(tiny_copy, built_tiny)
     if stage.startswith("compile"):
         # A fresh compile with the same key gives the same bytes, so nothing downstream reruns.
@@ -92,6 +94,7 @@ def test_ctrl_c_mid_compile_is_one_line_ends_every_process_and_the_rerun_resumes
         assert signal_when(build, compiling, signal.SIGINT), build.output()[-3000:]
         assert build.wait() == 130, build.output()[-3000:] + errors.read_text()
         left = processes_marked(mark)  # the moment the command returned
+        work_left = list((tiny_copy.cache / "work").iterdir())  # each interrupted stage removes its own
         said = errors.read_text().splitlines()
         explained = tiny_copy.cudabuild("explain", "model=tiny_lm", "target=cpu").stdout.splitlines()[1:]
         up_to_date = [line for line in explained if line.split(None, 1)[1].startswith("up to date")]
@@ -104,6 +107,7 @@ def test_ctrl_c_mid_compile_is_one_line_ends_every_process_and_the_rerun_resumes
     pids = {p.pid: p for p in left}
     serving = [p for p in left if p.ppid in pids and "--worker" in pids[p.ppid].argv]  # a warm call's process
     assert [p for p in left if "warm_server.py" not in " ".join(p.argv)] == [] and serving == [], left
+    assert work_left == []
 
     statuses = rebuild(tiny_copy)  # the compile that was interrupted runs; what was done is not done again
     assert "ran" in (statuses["compile.decode"], statuses["compile.prefill"]) and statuses["edge.decode"] == "cached"
@@ -355,6 +359,34 @@ def test_full_disk_fails_in_one_line_and_a_build_with_room_succeeds(built_tiny, 
     assert "ran" in statuses.values(), statuses
     assert_same_outputs(project, built_tiny)
     assert_cache_verifies(project)
+
+
+@pytest.fixture
+def twelve_mb_disk(tmp_path):
+    yield from tmpfs(tmp_path / "disk", 12 << 20)
+
+
+@pytest.mark.slow
+def test_a_first_build_on_a_12_mb_disk_names_the_full_disk_in_every_stage_it_stops(project, tmp_path, twelve_mb_disk):
+    """Issue 59: a tiny_lm build with its cache on a 12 MB tmpfs, two stages at once. compile.prefill
+    met the disk in its move of the .so into the cache and then again in the admission's ledger,
+    and blob.decode in storing its blob: both said a bare `OSError: [Errno 28]`. Every stage that
+    stops says which disk filled and what to do, in the cache writer's words."""
+    cache = twelve_mb_disk / "cache"
+    small = Project(project.root, cache)
+    done = small.export(*BUILD_ARGS, env=small.env(CUDABUILD_JOBS=2), timeout=REBUILD_TIMEOUT)
+    text = done.stdout + done.stderr
+    errors = [line for line in text.splitlines() if line.startswith("cudabuild: error:")]
+    assert done.returncode != 0 and errors, text[-3000:]
+    for line in errors:
+        stage = line.split("]", 1)[0].removeprefix("cudabuild: error: [")
+        assert line.endswith(f"] cannot write to the cache at {cache} while running stage {stage}: its disk is full (No "
+                             "space left on device); free space there (cudabuild cache gc --max-size SIZE) or set "
+                             "CUDABUILD_CACHE_DIR to a disk with room"), text[-3000:]
+    assert "Traceback" not in text and "OSError" not in text, text[-3000:]
+    # What was stored before the disk filled is whole: nothing half-written is served.
+    shutil.copytree(cache, tmp_path / "roomy", symlinks=True)
+    assert_cache_verifies(Project(project.root, tmp_path / "roomy"))
 
 
 # -- doit's database ----------------------------------------------------------------------------

@@ -89,6 +89,9 @@ def test_an_option_names_its_targets_or_is_refused_when_declared():
 
 def test_the_table_survives_the_description_memo_as_data():
     assert tuple(Option.from_data(o.as_data()) for o in TABLE) == TABLE
+    hub = Option("checkpoint", "", folder=True, hub=True, help="a folder or its Hub id")
+    assert Option.from_data(hub.as_data()) == hub
+    assert hub.expected() == "an existing folder or a Hugging Face Hub id ORG/NAME[@REVISION] (or '' for none) (default '')"
 
 
 def test_every_recipe_declares_every_option_with_a_type_and_a_range_or_choices():

@@ -58,6 +58,22 @@ def test_a_missing_output_is_restorable_and_only_a_lookup_finds_that(runner_for)
     assert runner.execute(stage) == "restored" and (project.build_dir / "model.pte").exists()
 
 
+def test_a_build_that_only_restores_writes_each_stage_s_log_saying_so(runner_for):
+    """Issue 59: after `rm -rf build`, a build that restores every stage wrote no logs/, though
+    the README lists logs/<stage>.log. Each restored stage's log now says it ran nothing here,
+    and where its outputs came from."""
+    make, project = runner_for
+    shutil.rmtree(project.root / "build")
+    runner = make()
+    stages = runner.pipeline.plan(runner.config)
+    assert {runner.execute(stage) for stage in stages} == {"restored"}
+    for stage in stages:
+        log = (project.build_dir / "logs" / f"{stage.id}.log").read_text()
+        assert log.startswith(f"{stage.id}: restored from the cache at {project.cache} (key {runner.read_stamp(stage).key[:12]}), "
+                              "not run in this build, so nothing was printed"), log
+        assert log.count("\n") == 1
+
+
 def test_a_spec_change_runs_that_methods_compile_and_waits_on_predicted_results(runner_for):
     make, _ = runner_for
     runner = make(**{"decode.emulate_precision_casts": "OFF"})
@@ -128,3 +144,34 @@ def test_a_corrupt_upstream_blob_is_rebuilt_through_the_builds_executor(runner_f
     assert (rebuilt.status, rebuilt.key, runner.statuses["export.decode"]) == ("ran", jobs[1][1], "ran")
     assert runner.store.verify_blob(rebuilt.outputs["inputs.pt"])  # stored again, whole
     assert runner.read_stamp(verify).status == "ran"
+
+
+def test_a_handed_on_output_found_bad_is_made_again_by_its_producer(runner_for, tmp_path):
+    """Issue 59: a corrupt compiled model.so was not repaired. The cuda blob stage hands the
+    compile's .so on without reading it (StageResult.stored), so once a reader had found it corrupt
+    and dropped it, the blob stage's rebuild failed on it ("handed on model.so, which is no longer
+    in the cache"), and so did every build after (the compile's stamp was intact). The .so is now
+    made again by its producer, through the build's executor, and handed on."""
+    from cudabuild.engine.context import StageResult
+    from cudabuild.errors import CorruptBlob
+
+    make, _ = runner_for
+    runner = make()
+    blob, compiled = Stage("blob", "decode"), Stage("compile", "decode")
+    so = runner.read_stamp(compiled).outputs["model.so"]
+    path = runner.store.blob_path(so)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlob):  # what package's read of it did: dropped
+        runner.store.read_bytes(so)
+    assert not runner.store.has_blob(so)
+
+    (tmp_path / "weights.blob").write_bytes(b"the weights")
+    key = runner.read_stamp(blob).key
+    runner.store_result(blob, key, runner.read_stamp(blob).inputs,
+                        StageResult({"weights.blob": tmp_path / "weights.blob"}, stored={"model.so": so}),
+                        started=0.0, why=None, peak_rss=None)
+    assert runner.statuses["compile.decode"] == "ran" and runner.read_stamp(compiled).outputs["model.so"] == so
+    assert runner.store.verify_blob(so)  # made again, whole: a CPU compile gives the same bytes
+    assert runner.store.peek_record(key)["outputs"]["model.so"] == so

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,10 +19,11 @@ import pytest
 from _faults import BUILD_ARGS, assert_same_outputs, tmpfs
 from conftest import REPO, assert_ok
 from test_remote import server  # noqa: F401  (a real redis-server on loopback, for the remote tier)
-from cudabuild.engine.tiers import base
+from test_remote_faults import proxy  # noqa: F401  (a faulty proxy in front of the session's S3 server)
+from cudabuild.engine.tiers import base, factory
 from cudabuild.engine.tiers.redis import RedisTier
 from cudabuild.engine.store import Store
-from cudabuild.errors import CacheUnwritable, CorruptBlob, MissingBlob
+from cudabuild.errors import CacheUnwritable, CorruptBlob, CudabuildError, MissingBlob
 
 
 @pytest.fixture(autouse=True)
@@ -147,6 +149,86 @@ def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server
         with pytest.raises(MissingBlob):
             store.fetch("0" * 64, tmp_path / "absent.bin")  # in neither tier
         assert list((tmp_path / "cache" / "incoming").iterdir()) == []
+    finally:
+        store.close()
+
+
+def _s3_store(root, url, monkeypatch) -> tuple[Store, list]:
+    """A store whose shared tier is the S3 bucket at `url` (through the proxy's AWS_ENDPOINT_URL),
+    its warnings collected."""
+    monkeypatch.setenv(base.REMOTE_ENV, url)
+    store, warnings = Store(root), []
+    store.remote = factory.from_env(warn=warnings.append)
+    return store, warnings
+
+
+def test_a_push_that_fails_is_tried_again_and_one_that_cannot_says_why(s3_env, proxy, tmp_path, monkeypatch):  # noqa: F811
+    """Issue 59: a result's write-back to the shared tier that failed was dropped without a word.
+    publish tries it again while the tier takes writes (a fault the SDK's own retries did not
+    outlast), and says why it could not."""
+    url = s3_env.url("publish")
+    store, warnings = _s3_store(tmp_path / "cache", url, monkeypatch)
+    try:
+        blob = store.put_bytes(os.urandom(1 << 20))
+        record = {"stage": "export.decode", "digest": "d", "outputs": {"program.json": blob}}
+        proxy.drop_next(3)  # every attempt of the first call: the first push fails
+        assert store.publish("k" * 64, record) is None
+        assert proxy.faults_done["dropped"] == 3
+        reader, _ = _s3_store(tmp_path / "reader", url, monkeypatch)
+        try:
+            assert reader.remote.get_record("k" * 64)["outputs"] == record["outputs"]
+            assert reader.fetch(blob, tmp_path / "out").read_bytes() == store.read_bytes(blob)
+        finally:
+            reader.close()
+
+        proxy.down = True  # every call fails, until the tier is given up
+        other = store.put_bytes(os.urandom(1 << 20))
+        why = store.publish("j" * 64, dict(record, outputs={"program.json": other}))
+        # Tried again until the tier was given up (its calls count the failures: FAILURES_TO_GIVE_UP).
+        assert re.fullmatch(rf"the upload of blob {other[:12]} failed; tried [23] times", why), why
+        assert not store.remote.writable and "continuing with the local cache only" in warnings[-1], warnings
+        assert store.publish("i" * 64, record) == ("it takes no writes from this process (read-only, or given up or "
+                                                   "refused a write earlier: see its warning)")
+    finally:
+        store.close()
+
+
+def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env, proxy, project, tmp_path, monkeypatch,
+                                                                          capfd):  # noqa: F811
+    """store_result says it at once (a warning; on a cluster's worker, whose driver restores from
+    the tier, the stage fails) instead of the driver's later "not in the shared tier"."""
+    from cudabuild.config import load_config
+    from cudabuild.engine.console import terminal
+    from cudabuild.engine.context import StageResult
+    from cudabuild.engine.graph import Stage
+    from cudabuild.engine.runner import Runner
+
+    # The terminal's stderr is a copy of fd 2 made at its first use: made again, under capfd.
+    monkeypatch.setattr(terminal, "_STREAMS", {})
+    store, _ = _s3_store(tmp_path / "cache", s3_env.url("store-result"), monkeypatch)
+    try:
+        config = load_config(project.root, {"model": "tiny_lm", "target": "cpu"}, store)
+        proxy.down = True
+        for required in (False, True):
+            (tmp_path / "program.json").write_text("{}")  # the store takes it in
+            runner = Runner(config, store, run_id="test", publish_required=required)
+            stage, key = Stage("export", "decode"), ("r" if required else "w") * 64
+            store_result = lambda: runner.store_result(stage, key, {}, StageResult({"program.json": tmp_path / "program.json"}),  # noqa: E731
+                                                       started=0.0, why=None, peak_rss=None)
+            if not required:
+                store_result()
+                said = [line for line in capfd.readouterr().err.splitlines() if "export.decode" in line]
+                blob = runner.read_stamp(stage).outputs["program.json"]
+                assert len(said) == 1 and re.fullmatch(
+                    rf"cudabuild: warning: stage export.decode: its result {key[:12]} was not written to the shared "
+                    rf"tier {re.escape(store.remote.where)} \(the upload of blob {blob[:12]} failed; tried [23] times\); "
+                    "this cache keeps it, other machines will build it themselves", said[0]), said
+            else:
+                with pytest.raises(CudabuildError, match=rf"^stage export.decode: its result {key[:12]} was not written "
+                                                         r"to the shared tier .* so the driver cannot restore it; fix the "
+                                                         r"tier \(its warning says what failed\) and build again$"):
+                    store_result()
+            assert store.peek_record(key) is not None  # this cache keeps it either way
     finally:
         store.close()
 

@@ -56,6 +56,16 @@ def starts_a_program(payload):
     Path(payload + ".tmp").write_text(f"{os.getpid()} {program.pid}")
     Path(payload + ".tmp").rename(payload)
     program.wait()
+
+def works_in_a_folder(payload):
+    import subprocess
+    from cudabuild.engine.store import Store
+    with Store(payload["cache"]).work_folder("compile.decode") as work:
+        (work / "model.so").write_bytes(b"half a .so")
+        program = subprocess.Popen(["sleep", "120"])
+        Path(payload["pids"] + ".tmp").write_text(f"{os.getpid()} {program.pid} {work}")
+        Path(payload["pids"] + ".tmp").rename(payload["pids"])
+        program.wait()
 '''
 
 
@@ -166,6 +176,33 @@ def test_an_interrupted_caller_ends_the_call_and_what_it_started_before_it_retur
     sent = time.monotonic()
     assert caller.wait(timeout=600) == 130, f"the caller returned {time.monotonic() - sent:.1f} s after the SIGINT"
     assert not _alive(child) and not _alive(program)
+
+
+def test_an_interrupted_call_unwinds_and_its_stage_removes_its_work_folder(calls, tmp_path):
+    """Ctrl-C in a build whose stage runs in a warm process: the call is interrupted as a stage in
+    the build's own process is, so its work folder is removed as it unwinds (issue 59: the call's
+    process was killed outright, and `work/<stage>-<pid>-*` folders outlived the build), and then
+    it and the program it started end, before the caller returns."""
+    processes, folder = calls
+    pid_file = tmp_path / "pids"
+    payload = {"cache": str(tmp_path / "stage-cache"), "pids": str(pid_file)}
+    script = (f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              f"sys.path.insert(0, {str(folder)!r}); from cudabuild.engine import warm\n"
+              f"try: warm.WarmProcesses({str(tmp_path / 'cache')!r}, ()).call('warm_calls:works_in_a_folder', "
+              f"{payload!r})\nexcept KeyboardInterrupt: sys.exit(130)")
+    caller = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    deadline = time.monotonic() + 600
+    while not pid_file.exists() and caller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child, program, work = pid_file.read_text().split()
+    assert Path(work, "model.so").exists() and _alive(int(program))
+    caller.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert caller.wait(timeout=600) == 130
+    waited = time.monotonic() - sent
+    assert not _alive(int(child)) and not _alive(int(program))
+    assert not Path(work).exists(), "the interrupted stage left its work folder"
+    assert waited < warm_server.UNWIND_SECONDS, f"the call took {waited:.1f} s to unwind"
 
 
 def test_an_idle_server_exits_and_a_stopped_one_goes(tmp_path, monkeypatch, calls):

@@ -380,6 +380,10 @@ class Stats:
     # Folders stages keep in the cache beside the store (compiled Triton kernels): name -> (files, bytes)
     folders: dict = field(default_factory=dict)
     spans_bytes: int = 0  # what the blobs kept as spans hold (their manifests take usage["spans"])
+    # The stages' work folders (Store.work_folders): (folders, bytes) of running stages, and of
+    # killed ones (what `cache gc` and the next build delete).
+    work_running: tuple = (0, 0)
+    work_left: tuple = (0, 0)
 
     @property
     def all(self) -> KindStats:
@@ -401,6 +405,12 @@ class Stats:
                        f"(manifests of {format_bytes(spanned[1])}): bytes stored once across the files that hold them")
         for name, (files, size) in sorted(self.folders.items()):
             out.append(f"beside it: {name}/ {plural(files, 'file')} {format_bytes(size)}")
+        if self.work_running[0]:
+            out.append(f"work/: {plural(self.work_running[0], 'folder')} ({format_bytes(self.work_running[1])}) of "
+                       "stages running now")
+        if self.work_left[0]:
+            out.append(f"work/: {plural(self.work_left[0], 'folder')} ({format_bytes(self.work_left[1])}) that killed "
+                       "stages left behind; the next build or `cudabuild cache gc` deletes them")
         if not self.builds:
             return out + ["no builds logged yet"]
         out.append(f"last {plural(self.builds, 'build')} (hits: up to date in build/; restores: from the store; misses: ran)")
@@ -445,12 +455,17 @@ def stats(store: Store, last: Optional[int] = None) -> Stats:
                 unknown += 1
             else:
                 k.saved_bytes += sum(sizes.get(sha, 0) for sha in (record.get("outputs") or {}).values())
-    return Stats(store.usage(), len(log), kinds, unknown, _folders_beside(store.root), spans_bytes)
+    work = store.work_folders()
+    running = [size for _, size, alive in work if alive]
+    left = [size for _, size, alive in work if not alive]
+    return Stats(store.usage(), len(log), kinds, unknown, _folders_beside(store.root), spans_bytes,
+                 work_running=(len(running), sum(running)), work_left=(len(left), sum(left)))
 
 
-# The store's own folders (diskcache's, its write area, the build locks); any other folder in the
-# cache root is one a stage keeps there, counted by `cache stats`.
-_STORE_FOLDERS = {"store", "incoming", "locks"}
+# The store's own folders (diskcache's, its write area, the build locks, the stages' work folders:
+# Store.work_folders, which gc deletes only when their stage was killed); any other folder in the
+# cache root is one a stage keeps there, counted by `cache stats` and gc'd entry by entry.
+_STORE_FOLDERS = {"store", "incoming", "locks", "work"}
 
 
 def _beside(root: Path) -> list[Path]:

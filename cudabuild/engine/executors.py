@@ -40,7 +40,7 @@ from cudabuild.engine.admission import WAITS
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.graph import Stage
-from cudabuild.errors import CacheUnwritable, CudabuildError
+from cudabuild.errors import CudabuildError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +140,10 @@ def run_here(job: Job) -> Iterator[Made]:
             with job.admitted():
                 start = time.monotonic()
                 with trace.phase("run"), memory.PeakSampler() as sampled, memory.WrittenBytes() as written:
-                    try:
+                    # A full disk says so the same way in every stage (inductor's own error wraps
+                    # it), and is said before the admission's bookkeeping, on the same disk, fails too.
+                    with room.named(job.stage.id, job.store.root):
                         result: StageResult = module.run(ctx)
-                    except Exception as e:
-                        # A full disk says so the same way in every stage (inductor's own error wraps it).
-                        full = room.disk_full(e, job.store.root)
-                        if full is not None and not isinstance(e, (room.DiskFull, CacheUnwritable)):
-                            raise room.full_disk_error(job.stage.id, full, job.store.root) from e
-                        raise
                 # What the stage left behind is collected now, before the next stage (here, or
                 # let in beside) adds its own: after a stage that held much more than it started
                 # with (where /proc cannot say, always).

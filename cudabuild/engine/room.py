@@ -10,20 +10,23 @@ of them besides while the stages run, in the cache's work folders. A build that 
 refused in one line that names the need, the room, and where to point the cache.
 
 Also here: `disk_full`, which tells a full disk in whatever a stage raised (an OSError, or a
-library's error that wraps one, as inductor's does), so every stage names it the same way.
+library's error that wraps one, as inductor's does), and `named`, which the runner puts around each
+stage, so every stage names it the same way, wherever in the stage (its run, the storing of what
+it made, the bookkeeping around both) the disk filled.
 
 Owns the projection and the check. Must not touch: what the weights are (the recipe says).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
-from cudabuild.errors import CudabuildError
+from cudabuild.errors import CacheUnwritable, CudabuildError
 
 # Of the weights' bytes, what the stages' work files and temporaries hold at most beside the
 # cache and build/ (one tensor file, one compile's inductor folder, a blob's glue at a time).
@@ -97,13 +100,51 @@ def disk_full(error: BaseException, cache: Optional[Path] = None) -> Optional[OS
     return None
 
 
-def full_disk_error(stage: str, error: OSError, cache: Path) -> DiskFull:
+def full_disk_error(stage: str, error: OSError, cache: Path, build: Optional[Path] = None) -> DiskFull:
     """The one line every stage that meets a full disk says: the cache's writer's words
-    (cudabuild.engine.store), naming the disk that filled."""
-    filename = getattr(error, "filename", None)
+    (cudabuild.engine.store), naming the disk that filled. Of the paths the error names (a move
+    names its source and its destination), one on the cache's disk is the cache's; else one in
+    `build` (build/<model>/<target>) is build/'s; else the last one's folder, a compile's."""
+    paths = [Path(os.fsdecode(p)) for p in (getattr(error, "filename", None), getattr(error, "filename2", None))
+             if isinstance(p, (str, bytes, os.PathLike))]
     where, fix = f"the cache at {cache}", "free space there (cudabuild cache gc --max-size SIZE) or set CUDABUILD_CACHE_DIR to a disk with room"
-    if filename and _device(Path(filename)) != _device(cache):
-        where = str(Path(filename).parent)
-        fix = "free space there, or set CUDABUILD_INDUCTOR_DIR (the compiles' folders) to a disk with room"
+    if paths and not any(_device(p) == _device(cache) for p in paths):
+        inside = [p for p in paths if build is not None and p.is_relative_to(build)]
+        if inside:
+            where, fix = f"build/ at {build}", "free space there, or build the project on a disk with room"
+        else:
+            where = str(paths[-1].parent)
+            fix = "free space there, or set CUDABUILD_INDUCTOR_DIR (the compiles' folders) to a disk with room"
     return DiskFull(f"cannot write to {where} while running stage {stage}",
                     f"its disk is full ({error.strerror or 'No space left on device'})", fix=fix)
+
+
+def _said(error: BaseException) -> Optional[CudabuildError]:
+    """A full disk already said in the project's words in `error`'s chain (its cause or context)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (DiskFull, CacheUnwritable)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextlib.contextmanager
+def named(stage: str, cache: Path, build: Optional[Path] = None) -> Iterator[None]:
+    """A full disk met anywhere in the block (the stage, the storing of what it made, the
+    bookkeeping around it) raised as the one line every stage says (full_disk_error). Where one was
+    said already and the unwinding met the full disk again (a ledger's or a log's write on the
+    same disk), the first one is what the user reads."""
+    try:
+        yield
+    except Exception as e:
+        said = _said(e)
+        if said is not None:
+            if said is e:
+                raise
+            raise type(said)(str(said)) from e
+        full = disk_full(e, cache)
+        if full is None:
+            raise
+        raise full_disk_error(stage, full, cache, build) from e

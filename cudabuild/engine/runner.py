@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cudabuild.engine import admission, executors
+from cudabuild.engine import admission, executors, room
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
-from cudabuild.engine.files import move_or_copy
+from cudabuild.engine.files import atomic_write_text, move_or_copy
 from cudabuild.engine.graph import Build, Pipeline, Result, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.stamp import Stamp, stamps_dir
@@ -82,6 +82,9 @@ class Runner:
     # How a stage that must run is run: here (the default), in the cache's warm process, or on a
     # cluster's worker (cudabuild.engine.executors).
     executor: executors.Executor = field(default_factory=executors.InProcess)
+    # Whether what a stage stores must reach the shared tier (a cluster's worker: its driver
+    # restores it from there), so a write-back that fails fails the stage.
+    publish_required: bool = False
     # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use, or
     # handed in (a cluster's worker keys on its driver's, cudabuild.cluster_worker).
     _fingerprint: Optional[dict] = None
@@ -191,7 +194,10 @@ class Runner:
     def execute(self, stage: Stage) -> str:
         """Bring one stage up to date; returns ran, cached, restored or remote."""
         self.record_startup()
-        with self.recorder.span(stage.id, "stage", step="execute") as span:
+        # A full disk met anywhere in it (the stage, storing or restoring what it made, its log,
+        # in this process or a warm one) is said in the one line every stage says (room.named).
+        with room.named(stage.id, self.store.root, self.config.build_dir), \
+                self.recorder.span(stage.id, "stage", step="execute") as span:
             span["status"] = status = self._execute(stage, span)
         return status
 
@@ -203,6 +209,7 @@ class Runner:
         if decision.verdict == "restorable":
             status = self.restore(stage, decision.key, decision.inputs, decision.record, decision.tier)
             if status:
+                self._log_restored(stage, status, decision.key, decision.record)
                 return self._note(stage, status)
         why = explain_reason(decision.old.inputs if decision.old else None, decision.inputs, self.pipeline)
         return self._note(stage, self._run(self._job(stage, decision.key, decision.inputs), why, span))
@@ -293,6 +300,18 @@ class Runner:
         ))
         return status
 
+    def _log_restored(self, stage: Stage, status: str, key: str, record: dict) -> None:
+        """A stage restored here ran nothing, so no library printed anything: its log (what a
+        user of build/ looks in, logs/<stage>.log) says so, and where its outputs came from, in
+        place of the log of a run that made other outputs."""
+        if not self.capture_output:
+            return  # a streaming build writes no logs
+        where = (f"the shared tier {self.store.remote.where}" if status == "remote" and self.store.remote is not None
+                 else f"the cache at {self.store.root}")
+        made = f"; it ran for {record['seconds']:.1f}s in the build that made it" if record.get("seconds") else ""
+        atomic_write_text(self.log_path(stage), f"{stage.id}: restored from {where} (key {key[:12]}), not run in this "
+                                                f"build, so nothing was printed{made}\n")
+
     def store_result(self, stage: Stage, key: str, inputs: dict, result: StageResult, started: float,
                      why: Optional[str], peak_rss: Optional[int], written_bytes: Optional[int] = None,
                      peak_private: Optional[int] = None) -> None:
@@ -322,9 +341,23 @@ class Runner:
             status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=peak_rss, written_bytes=written_bytes,
             peak_private=peak_private,
         ))
-        if self.store.remote is not None:
+        if self.store.remote is not None and (self.store.remote.writable or self.publish_required):
             with trace.phase("upload"):
-                self.store.push(key, record)  # write-back to the shared tier: blobs, then the record
+                why = self.store.publish(key, record)  # write-back to the shared tier: blobs, then the record
+            if why is not None:
+                self._not_published(stage, key, why)
+
+    def _not_published(self, stage: Stage, key: str, why: str) -> None:
+        """Said where it happens: a result the shared tier did not take. Where it had to (a cluster's
+        worker, whose driver restores it from there), the stage fails; else a warning (this cache
+        keeps it; other machines build it themselves)."""
+        where = self.store.remote.where
+        if self.publish_required:
+            raise CudabuildError(f"stage {stage.id}: its result {key[:12]} was not written to the shared tier {where} "
+                                 f"({why}), so the driver cannot restore it; fix the tier (its warning says what "
+                                 "failed) and build again")
+        terminal.warn(f"stage {stage.id}: its result {key[:12]} was not written to the shared tier {where} ({why}); "
+                      "this cache keeps it, other machines will build it themselves")
 
     def keep_file(self, path: Path, sha: Optional[str] = None, regions: Optional[list] = None) -> str:
         """A running stage's file stored now (StageContext.keep); the work folder no longer holds it."""
@@ -335,12 +368,30 @@ class Runner:
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         """Outputs handed on from upstream unchanged: blobs this cache holds, or the shared tier
         does (on a cluster's worker whose upstream stage ran on another worker, the blob is there
-        only; Store.push then leaves it where it is)."""
-        missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
+        only; Store.push then leaves it where it is). One that is in neither (found corrupt and
+        dropped since its producer stored it: a stage that hands a compiled .so on never reads it)
+        has its producer run again, as a bad blob a stage reads does (_serve); the stage may hand
+        on what that makes only when it is the same bytes, since what else the stage made was made
+        with the old ones."""
         remote = self.store.remote
-        if missing and not (remote is not None and remote.has_blobs([stored[name] for name in missing])):
-            where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
-            raise CudabuildError(f"stage {stage.id} handed on {missing[0]}, which is no longer in {where}")
+        in_remote = lambda shas: remote is not None and remote.has_blobs(shas)  # noqa: E731
+        missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
+        if not missing or in_remote([stored[name] for name in missing]):  # one question for them all
+            return dict(stored)
+        where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
+        for name in missing:
+            sha = stored[name]
+            if in_remote([sha]):
+                continue
+            producer = self._producer_of(stage, sha)
+            if producer is None:
+                raise CudabuildError(f"stage {stage.id} handed on {name}, which is no longer in {where}")
+            self._rebuild(producer[0])
+            again = self._sha_of(*producer)
+            if again != sha or not self.store.has_blob(sha):
+                raise CudabuildError(f"stage {stage.id} handed on {name} of {producer[0].id}, which was no longer in "
+                                     f"{where}; made again, it is other bytes ({again[:12]}, not {sha[:12]}): build "
+                                     "again, and the stage runs on the new one")
         return dict(stored)
 
     # -- reading upstream outputs ----------------------------------------------------------------
@@ -386,14 +437,21 @@ class Runner:
     def output_path(self, stage: Stage, name: str) -> Path:
         return self._serve(stage, name, self.store.verified_path)
 
-    def output_path_of_sha(self, consumer: Stage, sha: str) -> Path:
-        """output_path of the output with this sha256 among those of `consumer`'s upstream stages."""
+    def _producer_of(self, consumer: Stage, sha: str) -> Optional[tuple[Stage, str]]:
+        """(the upstream stage of `consumer` that recorded an output with this sha256, its name), or None."""
         for upstream in self.pipeline.dependencies(consumer, self.config):
             stamp = self.read_stamp(upstream)
             name = next((n for n, s in sorted(stamp.outputs.items()) if s == sha), None) if stamp else None
             if name is not None:
-                return self.output_path(upstream, name)
-        raise CudabuildError(f"stage {consumer.id} reads blob {sha[:12]}, which none of the stages it depends on made")
+                return upstream, name
+        return None
+
+    def output_path_of_sha(self, consumer: Stage, sha: str) -> Path:
+        """output_path of the output with this sha256 among those of `consumer`'s upstream stages."""
+        producer = self._producer_of(consumer, sha)
+        if producer is None:
+            raise CudabuildError(f"stage {consumer.id} reads blob {sha[:12]}, which none of the stages it depends on made")
+        return self.output_path(*producer)
 
     @contextlib.contextmanager
     def output_file(self, stage: Stage, name: str):

@@ -53,6 +53,11 @@ from cudabuild.engine.records import well_formed
 # An unnamed value file this old is a killed write's leftover, not one about to be committed.
 ORPHAN_MIN_AGE_S = 3600
 
+# A new record's write-back to the shared tier (publish), whole, as the tiers' clients try one
+# call (cudabuild.engine.tiers.s3.client OP_ATTEMPTS, RETRY_PAUSE_S): each call retries first.
+PUSH_ATTEMPTS = 3
+PUSH_PAUSE_S = 0.2  # times the attempt number, between them
+
 # Documents a shared tier keeps too: what a recipe declares and what its options resolve to (both
 # keyed by the recipe's source digests), so a fresh machine restores without importing torch; and
 # a compile's GEMM/conv tuning decisions (keyed by its tuning inputs), so it does not tune again.
@@ -460,19 +465,39 @@ class Store:
         """Write a record back to the remote tier (`tier`, default self.remote): every blob it names
         first, then the record, so no reader there sees a record whose blobs are incomplete. False
         when there is no writable tier, a blob is missing here, or an upload did not complete."""
-        tier = tier or self.remote
-        if tier is None or not tier.writable:
-            return False
+        return self._push(key, record, tier or self.remote) is None
+
+    def publish(self, key: str, record: dict) -> Optional[str]:
+        """push to the shared tier, tried again as the tiers try a call again (PUSH_ATTEMPTS, a
+        longer pause each time) while it still takes writes: a fault one call's own retries did
+        not outlast costs a second push, not the record. None once the record is there; else why
+        not, in words, for the caller to say where it happens."""
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            why = self._push(key, record, self.remote)
+            if why is None:
+                return None
+            # A tier given up, refusing writes or read-only refuses a try again too.
+            if attempt == PUSH_ATTEMPTS or self.remote is None or not self.remote.writable:
+                break
+            time.sleep(PUSH_PAUSE_S * attempt)
+        return why if attempt == 1 else f"{why}; tried {attempt} times"
+
+    def _push(self, key: str, record: dict, tier) -> Optional[str]:
+        """push: None once the record is in the tier, else why not."""
+        if tier is None:
+            return "no shared tier is set"
+        if not tier.writable:
+            return "it takes no writes from this process (read-only, or given up or refused a write earlier: see its warning)"
         for sha in sorted(set(record.get("outputs", {}).values())):
             if not self.has_blob(sha) and tier.has_blobs([sha]):
                 continue  # handed on unchanged from a stage that ran on another machine: the tier has it
             try:
                 with self._open_blob(sha) as handle:
                     if not tier.put_blob(sha, handle):
-                        return False
+                        return f"the upload of blob {sha[:12]} failed"
             except MissingBlob:
-                return False
-        return tier.put_record(key, record)
+                return f"blob {sha[:12]} is in neither this cache nor the tier"
+        return None if tier.put_record(key, record) else "the write of its record failed"
 
     # -- small JSON documents (recipe descriptions, logs) ---------------------------------------
 
@@ -641,17 +666,25 @@ class Store:
         with tempfile.TemporaryDirectory(prefix=f"{stage_id}-{os.getpid()}-", dir=work) as folder:
             yield Path(folder)
 
-    def orphan_work(self) -> list[tuple[Path, int]]:
-        """The work folders (work_folder) of stages whose process is gone (killed), with their
-        bytes: what a stage was writing when it died, never stored."""
+    def work_folders(self) -> list[tuple[Path, int, bool]]:
+        """Every stage's work folder (work_folder), with its bytes and whether its process still
+        runs (False: killed, what it was writing never stored)."""
         found = []
         for folder in sorted((self.root / "work").glob("*-*-*")):
-            pid = folder.name.split("-")[1]
-            if not pid.isdigit() or processes.alive(int(pid)):
+            pid = folder.name.rsplit("-", 2)[1]  # <stage>-<pid>-<tempfile's suffix, which has no "-">
+            if not pid.isdigit():
                 continue
-            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            found.append((folder, size))
+            size = 0
+            with contextlib.suppress(OSError):  # a running stage's files (and folder) come and go
+                for path in folder.rglob("*"):
+                    with contextlib.suppress(OSError):
+                        size += path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+            found.append((folder, size, processes.alive(int(pid))))
         return found
+
+    def orphan_work(self) -> list[tuple[Path, int]]:
+        """The work folders of stages whose process is gone (killed), with their bytes."""
+        return [(folder, size) for folder, size, running in self.work_folders() if not running]
 
     def sweep_work(self) -> tuple[int, int]:
         """Delete the work folders of killed stages (orphan_work); (folders, bytes) deleted."""

@@ -31,7 +31,8 @@ Either way the process that serves takes the caller's stdin, stdout and stderr (
 socket), its environment, working directory and sys.path, imports the named function and runs it
 on the payload, and sends back what it returns (or the exception it raised). It runs in a process
 group of its own; while it runs, a thread waits for the caller to hang up: a caller that is gone (a
-build interrupted) ends it and everything the call started (the group), and so the stage it ran.
+build interrupted) interrupts the call, which unwinds as a stage in a build's own process does (its
+work folder removed), then ends it and everything the call started (the group).
 
 SOCKET appears once a worker is ready. The server exits after IDLE_SECONDS without a call and
 with no call still running, or as soon as SOCKET is no longer its own (another server took the
@@ -42,6 +43,7 @@ so the two agree by construction.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -109,21 +111,42 @@ def _preload(modules: list[str]) -> None:
             print(f"warm: imported {name} in {time.monotonic() - started:.1f}s", flush=True)
 
 
+# How long a call whose caller hung up gets to unwind (its stage's work folder removed, its
+# compiler killed, as a Ctrl-C does in a build's own process) before its group is killed as it is.
+UNWIND_SECONDS = 5.0
+_caller_left = threading.Event()
+_answered = threading.Event()
+
+
+def _end_group() -> None:
+    """This process and everything it started (its process group: _serve_call), at once."""
+    try:
+        os.killpg(os.getpid(), signal.SIGKILL)
+    except OSError:
+        pass
+    os._exit(3)
+
+
 def _exit_when_caller_leaves(conn: socket.socket) -> None:
     """The caller sends nothing after its call: the next recv returns only when it hangs up. Then
-    this process and everything it started (a compiler, inductor's compile workers) end at once:
-    they are its process group (_serve_call), and the caller waits for this end of the socket to
-    close (cudabuild.engine.warm.hang_up)."""
+    the call is interrupted as a Ctrl-C interrupts a stage in a build's own process (KeyboardInterrupt
+    in the main thread: the stage unwinds and removes its work folder), and this process and
+    everything it started (a compiler, inductor's compile workers) end once it has, or after
+    UNWIND_SECONDS (a stage deep in a library's C code; the next build sweeps what it left). The
+    caller waits for this end of the socket to close (cudabuild.engine.warm.hang_up)."""
+    main = threading.main_thread().ident
+
     def wait():
         try:
             conn.recv(1)
         except OSError:
             pass
-        try:
-            os.killpg(os.getpid(), signal.SIGKILL)
-        except OSError:
-            pass
-        os._exit(3)
+        _caller_left.set()
+        if not _answered.is_set():
+            with contextlib.suppress(OSError):
+                signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(UNWIND_SECONDS)
+        _end_group()
 
     threading.Thread(target=wait, daemon=True).start()
 
@@ -160,11 +183,16 @@ def _serve_call(conn: socket.socket) -> None:
             result = {"value": getattr(importlib.import_module(module), function)(call["payload"])}
         except BaseException as e:  # handed to the caller, which raises it there
             result = {"error": _picklable(e), "traceback": traceback.format_exc()}
+        _answered.set()
+        if _caller_left.is_set():  # interrupted, and unwound: no one to answer
+            _end_group()
         sys.stdout.flush()
         sys.stderr.flush()
         result["server"] = SERVER_PID
         send(conn, pickle.dumps(result))
     except BaseException:
+        if _caller_left.is_set():  # the interrupt came between the call's end and its answer
+            _end_group()
         traceback.print_exc()
         os._exit(2)
     os._exit(0)
