@@ -280,6 +280,7 @@ def test_stats_and_gc_agree_on_the_work_folders_killed_stages_left_and_spare_run
     stage's files as a folder beside the store)."""
     monkeypatch.delenv("CUDABUILD_REMOTE", raising=False)
     monkeypatch.setenv("CUDABUILD_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "project").mkdir()  # the settings' check wants an existing project folder
     monkeypatch.setenv("CUDABUILD_PROJECT", str(tmp_path / "project"))
     store = Store(tmp_path / "cache")
     try:
