@@ -300,7 +300,7 @@ def test_weights_left_on_the_host_compile_to_a_program_whose_blob_is_theirs(tmp_
     with _no_inlined_constants(), compile_time_cpu_clones("cpu"), aoti_constants.captured_table(keep_out=True) as table:
         files = torch._inductor.aot_compile(ep.module(), inputs,
                                             options={**AOTI_OPTIONS, "aot_inductor.output_path": str(tmp_path)})
-    assert os.path.getsize(next(f for f in files if f.endswith(".blob"))) == 0  # never built
+    assert not [f for f in files if f.endswith(".blob") and os.path.exists(f)]  # never built, nor written
     assert aoti_constants.source_problem(dict(table), table.sources, program) is None
     assert {row["fqn"] for row in table["constants"]} >= {"proj.weight", "codebook", "norm_weight"}
     blob = tmp_path / "ours.blob"

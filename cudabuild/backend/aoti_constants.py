@@ -40,6 +40,7 @@ import ctypes
 import hashlib
 import io
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
@@ -225,10 +226,11 @@ def captured_table(keep_out: bool = False) -> Iterator[CapturedTable]:
 def _serializer_handed_no_values(graph, codecache, size: int) -> Iterator[None]:
     """Within the block, `graph` answers for each constant's original value with an empty tensor of
     its device and dtype (so the serializer's layout choice, all on the GPU or not, is unchanged
-    and it copies nothing), and the size AOTInductor records in the .so for an external weights
-    blob, `struct.pack("q", <the blob's length>)` in codecache, is `size`, the table's. Both are
-    answered for this compile only: an instance attribute of `graph`, and codecache's module
-    global `struct` (what its compiler calls) in place of the module."""
+    and it copies nothing), the size AOTInductor records in the .so for an external weights blob,
+    `struct.pack("q", <the blob's length>)` in codecache, is `size`, the table's, and the empty
+    blob is written nowhere. All for this compile only: an instance attribute of `graph`, and
+    codecache's module globals `struct` and `open` (what its compiler calls) in place of the
+    module and the builtin."""
     import struct
 
     import torch
@@ -237,14 +239,26 @@ def _serializer_handed_no_values(graph, codecache, size: int) -> Iterator[None]:
         t = original_value(name)
         return torch.empty(0, dtype=t.dtype, device=t.device)
 
+    import builtins
+
+    def opener(file, mode="r", *args, **kwargs):
+        if "w" in mode and str(file).endswith("_weights.blob"):
+            return open(os.devnull, mode, *args, **kwargs)  # the empty blob: nothing to keep
+        return builtins.open(file, mode, *args, **kwargs)
+
     original_value = graph.get_original_value_of_constant
     graph.get_original_value_of_constant = valueless
-    saved = codecache.__dict__.get("struct")
+    saved = {name: codecache.__dict__.get(name) for name in ("struct", "open")}
     codecache.struct = _BlobSize(size)
+    codecache.open = opener
     try:
         yield
     finally:
-        codecache.struct = saved
+        for name, value in saved.items():
+            if value is None:
+                codecache.__dict__.pop(name, None)
+            else:
+                setattr(codecache, name, value)
         del graph.get_original_value_of_constant
 
 
