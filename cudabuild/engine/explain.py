@@ -119,7 +119,7 @@ def describe(c: Change, inputs: dict, pipeline: Pipeline) -> str:
 
 def _graph_name(stage_id: str) -> str:
     kind, _, method = stage_id.partition(".")
-    return f"the {'exported' if kind == 'export' else kind} graph of {method}"
+    return f"the {({'export': 'exported', 'trace': 'traced'}).get(kind, kind)} graph of {method}"
 
 
 def _weights_name(stage_id: str) -> str:
@@ -317,7 +317,21 @@ def forecast(runner) -> list[Forecast]:
                 value = dict(value or {}, facets=dict(facets))
         predicted[stage.id] = Result(Pending(stage.id), value, None)
         out.append(_will_run(decision, predicted, graphs, pipeline, new_weights))
-    return out
+    return _untouched_by_new_weights(out, runner, new_weights, kept)
+
+
+def _untouched_by_new_weights(out: list[Forecast], runner, new_weights: dict, kept: dict) -> list[Forecast]:
+    """An up-to-date stage whose result a stage running for new weights keys on (the trace that
+    export binds them into) is said to be up to date for that reason."""
+    config, pipeline = runner.config, runner.pipeline
+    readers: dict[str, list[str]] = {}
+    for stage in pipeline.plan(config):
+        if stage.id in new_weights:
+            for upstream in pipeline.results_read(stage, config):
+                readers.setdefault(upstream.id, []).append(new_weights[stage.id])
+    return [Forecast(f.stage, f.verdict, f"up to date (the new weights do not change it: "
+                                         f"{'; '.join(dict.fromkeys(readers[f.stage]))})")
+            if f.verdict == "up to date" and f.stage in readers and f.stage not in kept else f for f in out]
 
 
 def not_in_cache(runner, forecasts: list[Forecast]) -> list[str]:
@@ -363,8 +377,10 @@ def _will_run(decision, predicted: dict, graphs: _Graphs, pipeline: Pipeline, ne
         if waits:
             return Forecast(stage.id, "wait", f"not built here; runs or restores depending on {_results_of(waits)}")
         return Forecast(stage.id, "run", "will run: not built here before, and not in the cache")
-    if stage.id in new_weights and waits:
-        return Forecast(stage.id, "run", f"will run for the new weights ({new_weights[stage.id]})")
+    if stage.id in new_weights:
+        does = pipeline.row(stage).new_weights
+        return Forecast(stage.id, "run", f"will run for the new weights ({new_weights[stage.id]})"
+                                         + (f": {does}" if does else ""))
     known = [c for c in diff(old.inputs, inputs) if not pending_in(c.new)]
     words = [_describe_with_graphs(c, inputs, predicted, graphs, pipeline) for c in known]
     if not waits:

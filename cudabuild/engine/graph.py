@@ -6,7 +6,8 @@ the upstream results it consumes. An upstream digest is semantic where it can be
 report a canonical graph hash, not the bytes of a serialized file), so an edit that leaves the
 graph alone stops the rebuild there: early cutoff. A result may also carry named digests of a
 part of it (*facets*, in its value's `facets` dict): export's `code` is its graph hash with the
-weights' values left out, and a stage keyed on `export[m]:code` is untouched by new weights. The
+weights' values left out, and a stage keyed on `export[m]:code` is untouched by new weights (a
+result that lacks the facet it is read for is read whole). The
 inputs dict is kept in each stamp, which is how `explain` names what changed. Bump a row's version
 when its stage's implementation changes what it produces.
 
@@ -146,6 +147,9 @@ class StageKind:
     # other weights' values and nothing else: its facets stay. What explain predicts with
     # (cudabuild.engine.explain); a stage that runs computes its facets, predicted or not.
     values_only: Optional[Callable[[Build], set[tuple[str, ...]]]] = None
+    # What the stage does with new weights, in words, where it does less than its whole work
+    # (export: "binds them into the traced program"): what explain says it will run for.
+    new_weights: Optional[str] = None
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -217,6 +221,17 @@ class Pipeline:
                 out.append(Stage(kind, stage.method if scope == "m" else None))
         return out
 
+    def results_read(self, stage: Stage, config: Build) -> list[Stage]:
+        """The upstream stages whose results (digests or facets) enter the stage's key."""
+        out: list[Stage] = []
+        for name in self.row(stage).results.values():
+            kind, scope, _ = _parse_facet(name)
+            if not self.applies(kind, config):
+                continue
+            out += [Stage(kind, m) for m in config.methods] if scope == "*" else [
+                Stage(kind, stage.method if scope == "m" else None)]
+        return out
+
     def final_outputs(self, stage: Stage) -> bool:
         return self.row(stage).final_outputs
 
@@ -230,8 +245,10 @@ class Pipeline:
             if result is None or not facet:
                 return result.digest if result else None
             known = facet_of(result, facet)
-            # A stage that will run has no facets yet: its result is Pending until it has run.
-            return known if known is not None or not isinstance(result.digest, Pending) else result.digest
+            # A result without the facet is keyed on whole: a stage that will run has no facets yet
+            # (its result is Pending until it has run), and a record made before its stage named
+            # the facet holds the part only within the whole.
+            return known if known is not None else result.digest
 
         inputs: dict = {"stage": stage.kind, "version": row.version, "target": config.target}
         if stage.method:
