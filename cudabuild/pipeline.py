@@ -83,6 +83,7 @@ def _weights_options(config) -> set[tuple[str, ...]]:
 
 
 def _export(ctx: KeyContext) -> dict:
+    """What decides the eager model, its weights' values included (export binds them)."""
     config = ctx.config
     return {
         "model": config.model,
@@ -92,6 +93,15 @@ def _export(ctx: KeyContext) -> dict:
         "toolchain": _toolchain(ctx, "torch"),
         **({"strict": True} if config.description.get("strict_export") else {}),
     }
+
+
+def _trace(ctx: KeyContext) -> dict:
+    """Export's, less the options that change nothing but the weights' values: what decides the
+    traced program (with the quantize stage's `layout` facet: the row's results)."""
+    inputs = _export(ctx)
+    values_only = set(ctx.config.description.get("weights_options") or ())
+    inputs["options"] = {name: value for name, value in inputs["options"].items() if name not in values_only}
+    return inputs
 
 
 def _lowering(config, *fields: str) -> dict:
@@ -212,9 +222,13 @@ PIPELINE = Pipeline(
         StageKind("quantize", device_factor=_device_factor("quantize"), version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
                   params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False,
                   values_only=_weights_options),
-        StageKind("export", memory_factor=_MEMORY_FACTORS["export"], version=4, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
-                  results={"weights": "quantize"}, params=_export,
-                  values_only=_weights_options),
+        # Keyed on the code and the weights' layout, not their values: another seed finds it cached.
+        StageKind("trace", memory_factor=_MEMORY_FACTORS["export"], version=1, per_method=True, module=STAGES + "trace",
+                  consumes=("probe", "quantize"), results={"weights": "quantize:layout"}, params=_trace),
+        StageKind("export", memory_factor=_MEMORY_FACTORS["export"], version=5, per_method=True, module=STAGES + "export",
+                  consumes=("probe", "quantize", "trace[m]"), results={"weights": "quantize", "graph": "trace[m]:code"},
+                  params=_export, values_only=_weights_options, explains_graph=True,
+                  new_weights="binds them into the traced program"),
         StageKind("edge", memory_factor=_MEMORY_FACTORS["edge"], version=5, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
                   results={"graph": "export[m]:code"}, params=_edge, explains_graph=True),
         StageKind("compile", memory_factor=_MEMORY_FACTORS["compile"], device_factor=_device_factor("compile"), version=3, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),

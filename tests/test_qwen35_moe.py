@@ -160,7 +160,7 @@ def _config(store, **settings):
 
 
 def test_the_quantize_stage_is_in_the_cuda_build_only(store):
-    assert [s.id for s in PIPELINE.plan(_config(store))][:3] == ["probe", "quantize", "export.decode"]
+    assert [s.id for s in PIPELINE.plan(_config(store))][:3] == ["probe", "quantize", "trace.decode"]
     cpu = load_config(REPO, {"model": "qwen_moe", "target": "cpu"}, store)
     assert "quantize" not in [s.id for s in PIPELINE.plan(cpu)]
     assert "weights" not in _inputs(cpu, Stage("export", "decode"))  # its keys are what they were
@@ -187,6 +187,23 @@ def test_what_decides_the_weights_reruns_quantize(store, settings):
 def test_exports_key_on_the_quantized_weights(store):
     inputs = _inputs(_config(store), Stage("export", "prefill"))
     assert inputs["weights"] == "q" and inputs["strict"] is True
+
+
+def test_a_new_seed_on_cuda_keeps_the_trace_and_reruns_export(store):
+    """The trace keys on the quantized weights' layout (the quantize stage's `layout` facet) and the
+    options but the seed; export on the quantized weights themselves."""
+    def inputs(stage, quantized, **settings):
+        stamps = {"probe": Result("p", {"torch": "2.13"}), "quantize": quantized,
+                  "trace.prefill": Result("t", {"facets": {"code": "k"}})}
+        return PIPELINE.inputs(stage, _config(store, **settings), lambda s: stamps.get(s.id), lambda: {},
+                               lambda folder=None: None)
+
+    seed_42, seed_7 = Result("q42", {"facets": {"layout": "L"}}), Result("q7", {"facets": {"layout": "L"}})
+    trace, export = Stage("trace", "prefill"), Stage("export", "prefill")
+    assert digest(inputs(trace, seed_7, seed="7")) == digest(inputs(trace, seed_42))
+    assert "seed" not in inputs(trace, seed_42)["options"] and inputs(trace, seed_42)["strict"] is True
+    assert digest(inputs(export, seed_7, seed="7")) != digest(inputs(export, seed_42))
+    assert digest(inputs(trace, Result("q8w", {"facets": {"layout": "L8"}}), qlinear="8w")) != digest(inputs(trace, seed_42))
 
 
 @pytest.mark.parametrize("settings, message", [
