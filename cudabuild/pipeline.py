@@ -1,16 +1,23 @@
 """The CUDA lowering pipeline as data: the table of stage kinds the engine builds.
 
-    probe ─┬─> [quantize] ─> export[m] ─┬─(code)─> edge[m] ─> compile[m] ─┐
-           │                            ├──────(weights)──────────────> blob[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
-           │                            │                                        └─> verify[m]
-           │                            └─> [reference[m]] ──────────────────────────────┘
-           └────────────────────────(toolchain)───────────────────────┘
+    probe ─┬─> [quantize] ─┬─(layout)─> trace[m] ─(code)─┐
+           │               └─────────(weights)───────────┴─> export[m] ─┬─(code)─> edge[m] ─> compile[m] ─┐
+           │                                                            ├──────(weights)──────────────> blob[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
+           │                                                            │                                        └─> verify[m]
+           │                                                            └─> [reference[m]] ──────────────────────────────┘
+           └─────────────────────────────────────────(toolchain)──────────────────────────────────────────┘
 
-Edge and compile follow the exported program's *code* (its graph and its tensors' names, dtypes,
-shapes and strides: export's `code` facet), not its weights' values, so new weights for the same
-model lower and compile nothing; `blob` follows the weights, and writes their weights blob for the
-compiled code (cudabuild.backend.stages.blob). A recipe's `weights_options` (a seed) are the
-options explain knows to change the weights alone (`values_only`).
+Nothing after the trace follows the weights' values where it need not. `trace` (torch.export of
+the recipe's model) is keyed on the code and the weights' layout: the options but the recipe's
+`weights_options` (a seed), and the quantize stage's `layout` facet, not its digest. `export`
+gives the program for this build's weights: the trace's, handed on where it was traced from this
+very model, else the trace's with the new model's weights bound into it by FQN, without
+torch.export (cudabuild.backend.stages.export, which checks that they fit and traces where they
+do not). Edge and compile follow the exported program's *code* (its graph and its tensors' names,
+dtypes, shapes and strides: export's `code` facet), not its weights' values, so new weights for
+the same model trace, lower and compile nothing; `blob` follows the weights, and writes their
+weights blob for the compiled code (cudabuild.backend.stages.blob). A recipe's `weights_options`
+are the options explain knows to change the weights alone (`values_only`).
 
 `quantize` is in a build only when the recipe's form for the target declares one (ExecuTorch's
 Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports. `reference` (the
@@ -96,11 +103,18 @@ def _export(ctx: KeyContext) -> dict:
 
 
 def _trace(ctx: KeyContext) -> dict:
-    """Export's, less the options that change nothing but the weights' values: what decides the
-    traced program (with the quantize stage's `layout` facet: the row's results)."""
+    """Export's, less what decides only the weights' values: the options the recipe declares so (a
+    seed), the checkpoint's tensors' bytes (its layout stays: each tensor's dtype and shape, the
+    other files' content) and where the folders whose layout is keyed lie (the checkpoint, and a
+    bundle the quantize stage reads, whose `layout` facet is the row's results): what decides the
+    traced program. A nightly's next checkpoint in a new folder, of the same layout, traces nothing."""
+    description = ctx.config.description
     inputs = _export(ctx)
-    values_only = set(ctx.config.description.get("weights_options") or ())
-    inputs["options"] = {name: value for name, value in inputs["options"].items() if name not in values_only}
+    left_out = {*(description.get("weights_options") or ()), "checkpoint",
+                *((description.get("quantize") or {}).get("folders") or ())}
+    inputs["options"] = {name: value for name, value in inputs["options"].items() if name not in left_out}
+    if ctx.config.checkpoint:
+        inputs["checkpoint"] = ctx.checkpoint_digest(layout=True)
     return inputs
 
 
@@ -254,5 +268,6 @@ PIPELINE = Pipeline(
     ],
     fingerprint=toolchain.cheap_fingerprint,
     content_digests={".safetensors": safetensors_parts.tensor_digests},
+    layout_digests={".safetensors": safetensors_parts.tensor_layouts},
     warm_imports=_warm_imports,
 )

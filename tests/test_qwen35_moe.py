@@ -362,3 +362,26 @@ def test_an_eager_reference_far_outside_bf16s_spread_is_called_wrong_not_the_com
     truth["eager"] = {"states": {"layers.0.attn.recurrent_state": 0.0}, "gaps": [1.0]}
     report = sampled_logits.judge(eager, [torch.tensor([[0]])], exact, exact, 0.005, truth=truth)
     assert not report["passed"] and report["reference"]["worst"]["buffer"].startswith("step 0's token")
+
+
+def test_a_checkpoint_of_new_values_keeps_the_trace_key_and_one_of_another_layout_does_not(store, tmp_path):
+    """The trace keys on a checkpoint's layout (each tensor's dtype and shape, config.json), not its
+    bytes nor its folder's path: a nightly's next checkpoint, wherever it lies, traces nothing;
+    export keys on its content. (Real checkpoints in the released naming; a real Runner's keys.)"""
+    from cudabuild.engine.runner import Runner
+    from cudabuild.models import qwen35_moe_hf
+
+    def keys(folder) -> tuple[str, str]:
+        runner = Runner(load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(folder)}, store),
+                        store, "test")
+        results = {"probe": Result("p", {"torch": "2.13"}), "trace.decode": Result("t", {"facets": {"code": "k"}})}
+        return tuple(digest(runner.inputs(Stage(kind, "decode"), read=lambda s: results.get(s.id)))
+                     for kind in ("trace", "export"))
+
+    trace, export = keys(qwen35_moe_hf.save(tmp_path / "nightly-1", seed=1))
+    again_trace, again_export = keys(qwen35_moe_hf.save(tmp_path / "nightly-2", seed=2))
+    assert again_trace == trace and again_export != export
+    in_place = qwen35_moe_hf.save(tmp_path / "nightly-1", seed=3)  # rewritten where it was: new bytes
+    assert keys(in_place)[0] == trace and keys(in_place)[1] != export
+    other_dtype = qwen35_moe_hf.save(tmp_path / "bf16", qwen35_moe_hf.config_json(dtype="bfloat16"), seed=1)
+    assert keys(other_dtype)[0] != trace

@@ -96,7 +96,8 @@ class KeyContext:
     method: Optional[str]
     read: ResultReader
     fingerprint: Callable[[], dict]
-    # folder -> its digest, file by file (part by part where the pipeline can split a file); with no
+    # (folder=None, layout=False) -> the folder's digest, file by file (part by part where the
+    # pipeline can split a file; with `layout`, each part by what it is, not what it holds); with no
     # folder, the build's checkpoint's (None when it has none).
     checkpoint_digest: Callable[..., Optional[dict]]
 
@@ -166,7 +167,8 @@ class Pipeline:
 
     def __init__(self, rows: list[StageKind], fingerprint: Callable[[str], dict],
                  content_digests: Optional[Mapping[str, Callable[[str], dict]]] = None,
-                 warm_imports: Optional[Callable[[str], tuple[str, ...]]] = None):
+                 warm_imports: Optional[Callable[[str], tuple[str, ...]]] = None,
+                 layout_digests: Optional[Mapping[str, Callable[[str], dict]]] = None):
         self.rows = {row.kind: row for row in rows}
         # target -> the third-party modules its stages import, which a warm process imports once
         # for all of them (cudabuild.engine.warm); () for none.
@@ -176,6 +178,10 @@ class Pipeline:
         # a .safetensors shard): how a checkpoint file enters the key, so that a change is told
         # part by part. Other files enter by their sha256.
         self.content_digests = dict(content_digests or {})
+        # The same, each part by what it is and not what it holds ({name: [dtype, shape]} of a
+        # .safetensors shard's tensors): how a checkpoint enters the key of a stage that follows the
+        # weights' layout, not their values (the trace). Other files enter by their sha256.
+        self.layout_digests = dict(layout_digests or {})
         order = list(self.rows)
         for row in rows:
             for name in row.consumes:
