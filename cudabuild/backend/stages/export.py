@@ -50,7 +50,7 @@ def run(ctx) -> StageResult:
     method = ctx.stage.method
     traced = ctx.upstream("trace", method)
     if (traced.value or {}).get("weights") == weights_of(ctx):
-        return _as_traced(traced)
+        return _as_traced(_checked(ctx, traced.outputs))
     with phase("load"):  # the model built, its checkpoint read
         recipe, model, reuse = build_model(ctx)
     spec = next(m for m in recipe.methods if m.name == method)
@@ -60,6 +60,7 @@ def run(ctx) -> StageResult:
     except Exception as e:
         raise ExportFailed(f"method {method} of {ctx.config.model} failed to prepare: {one_line(e)}") from e
     with phase("check"):
+        _checked(ctx, [name for name in traced.outputs if not name.startswith(TENSOR_PREFIX)])  # all but its weights
         constants = _traced_constants(ctx)
         why = bind_problem(ctx, recipe, spec, model, constants)
     if why is None:
@@ -73,6 +74,17 @@ def run(ctx) -> StageResult:
         # count against no stage's admission (cudabuild.engine.workers): let it go now.
         release_model()
     return result
+
+
+def _checked(ctx, names):
+    """The trace's stamp once the outputs `names` (what this stage hands on) are checked: each read
+    as the stages after it will read it (a weight kept as ranges of other blobs, by those blobs),
+    so one that is bad has the trace run again now, as any reader's would, and is never handed on."""
+    read = ctx.reader("trace", ctx.stage.method)
+    for name in sorted(names):
+        if read.mapped(name) is None:
+            read(name)
+    return ctx.upstream("trace", ctx.stage.method)
 
 
 def _as_traced(traced) -> StageResult:
