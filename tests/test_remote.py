@@ -33,8 +33,8 @@ from cudabuild.engine.store import Store
 
 REDIS_SERVER = shutil.which("redis-server")
 BUILD = ("model=tiny_lm", "target=cpu")
-STAGES = ["probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
-          "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
+STAGES = ["probe", "trace.decode", "trace.prefill", "export.decode", "export.prefill", "edge.decode", "edge.prefill",
+          "compile.decode", "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
 
 
 @dataclass
