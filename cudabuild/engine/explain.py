@@ -11,7 +11,9 @@ it waits on instead of guessing, with one prediction: a change of nothing but th
 (an option the recipe declares as such, a seed: the rows' `values_only`) keeps every facet of the
 results it reaches (export's `code`), so the stages keyed on those facets (edge, compile) are told
 up to date, their code unchanged, and those keyed on the weights (blob, package, verify) as
-running for the new weights. The build itself computes the facets, and a wrong forecast costs a
+running for the new weights, with what a row says it does with them (export: "binds them into
+the traced program"); a stage up to date whose result such a stage keys on (the trace) is told
+up to date for that reason. The build itself computes the facets, and a wrong forecast costs a
 compile, never a wrong artifact.
 
 Must not import torch, executorch or doit, nor the runner (it is handed one), nor write to build/
