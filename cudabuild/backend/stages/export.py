@@ -28,8 +28,9 @@ what the recipe's functions give for the model (the example inputs, verify steps
 any difference is a failed check. The other checks: every weight of the traced program is in the
 model's state dict with the same layout (programs.weight_layout: dtype, shape, strides, offset,
 storage size, device, class, requires_grad), and the model holds no state the traced model did
-not. A check that passed leaves a program that a trace of this model would have given, up to the
-serialised graph's node names and stack traces, which no digest and no later stage reads.
+not. A check that passed leaves the files a trace of this model gives, byte for byte: the weight
+files, graph.json and the rest, and the serialised graph too where the trace ran in the same
+project (its stack traces name the source's paths).
 """
 
 from __future__ import annotations
