@@ -7,9 +7,11 @@ by side in one run, per model.
 For each model, every build a whole `doit export` process in a throwaway project copy with its own
 cache, timed from outside, all sharing one inductor directory (as machines with the default one do):
   A  cold, seed 0 (a fresh cache);
-  N  seed 1 in A's project and cache: the weights-only path (export, the blob rewritten, package,
-     verify; edge and compile cached), started without a warm process, as a nightly's next
-     checkpoint hours later is (this cache's is stopped first: cudabuild.engine.warm);
+  N  seed 1 in A's project and cache: the weights-only path (export binds the new weights into
+     the traced program, the blob rewritten, package, verify; trace, edge and compile cached),
+     started without a warm process, as a nightly's next checkpoint hours later is (this cache's
+     is stopped first: cudabuild.engine.warm). What it traced is printed (nothing, unless export
+     refused to bind the weights);
   W  seed 2 right after N, its warm process still up, as a build minutes after the last one is;
   C  cold, seed 1, in a fresh project and cache: the same weights the slow way. N's and C's .pte and
      .ptd must be byte-identical (the bench exits non-zero where they are not);
@@ -55,18 +57,28 @@ def outputs(project: Path, model: str, target: str) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(folder.glob("*.pt[ed]"))}
 
 
-def statuses(project: Path, model: str, target: str) -> str:
-    """The stages that ran, and why where a weights-only build would not run them."""
+def ran_stages(project: Path, model: str, target: str) -> list[dict]:
     import json
 
     manifest = json.loads((project / "build" / model / target / "manifest.json").read_text())
+    return [s for s in manifest["stages"] if s["status"] == "ran"]
+
+
+def statuses(project: Path, model: str, target: str) -> str:
+    """The stages that ran, and why where a weights-only build would not run them."""
     ran = []
-    for s in manifest["stages"]:
-        if s["status"] == "ran":
-            name = f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]
-            usual = s["stage"] in ("quantize", "export", "blob", "package", "reference", "verify")
-            ran.append(name if usual else f"{name} ({s.get('reason')})")
+    for s in ran_stages(project, model, target):
+        name = f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]
+        usual = s["stage"] in ("quantize", "export", "blob", "package", "reference", "verify")
+        ran.append(name if usual else f"{name} ({s.get('reason')})")
     return ", ".join(ran)
+
+
+def traced(project: Path, model: str, target: str) -> list[str]:
+    """The methods torch.export traced: a trace stage that ran, or an export that could not bind
+    the new weights into the traced program and traced them (its note says so)."""
+    return [f"{s['stage']}.{s['method']}" for s in ran_stages(project, model, target)
+            if s["stage"] == "trace" or (s["stage"] == "export" and (s.get("note") or "").startswith("traced"))]
 
 
 def machine(work: Path, name: str, base_env: dict, **extra) -> tuple[Path, dict]:
@@ -88,14 +100,14 @@ def one_model(model: str, target: str, work: Path, base_env: dict, shared: bool,
     a, a_env = machine(work, f"{model}-a", base_env)
     times["A cold seed 0"] = run(build + ["seed=0"], a, a_env)
     times["N new seed 1"] = run(build + ["seed=1"], a, a_env)
-    ran = statuses(a, model, target)
+    ran, n_traced = statuses(a, model, target), traced(a, model, target)
     n_outputs = outputs(a, model, target)
     times["W new seed 2, warm kept"] = run(build + ["seed=2"], a, a_env, keep_warm=True)
     c, c_env = machine(work, f"{model}-c", base_env)
     known_isa(work, model, "c")
     times["C cold seed 1"] = run(build + ["seed=1"], c, c_env)
     same = n_outputs == outputs(c, model, target)
-    result = {"times": times, "ran": ran, "identical": same, "outputs": n_outputs}
+    result = {"times": times, "ran": ran, "traced": n_traced, "identical": same, "outputs": n_outputs}
     if shared:
         redis, url = start_redis(work)
         try:
@@ -105,6 +117,7 @@ def one_model(model: str, target: str, work: Path, base_env: dict, shared: bool,
             known_isa(work, model, "s2")
             times["S second machine, seed 2"] = run(build + ["seed=2"], second, second_env)
             result["shared_ran"] = statuses(second, model, target)
+            result["shared_traced"] = traced(second, model, target)
         finally:
             redis.kill()
             redis.wait()
@@ -132,11 +145,12 @@ def main() -> None:
             for name, seconds in t.items():
                 print(f"  {name:<28}{seconds:8.1f}")
             print(f"  N ran: {r['ran']}")
+            print(f"  N traced: {', '.join(r['traced']) or 'nothing'} (a new seed traces nothing: the trace stage is keyed on the code)")
             print(f"  ratio N / C  new seed / cold        {t['N new seed 1'] / t['C cold seed 1']:8.3f}   (goal <= 0.15)")
             print(f"  ratio W / C  the same, warm kept    {t['W new seed 2, warm kept'] / t['C cold seed 1']:8.3f}")
             if "S second machine, seed 2" in t:
                 print(f"  ratio S / C  second machine / cold  {t['S second machine, seed 2'] / t['C cold seed 1']:8.3f}")
-                print(f"  S ran: {r['shared_ran']}")
+                print(f"  S ran: {r['shared_ran']}; traced: {', '.join(r['shared_traced']) or 'nothing'}")
             print(f"  N and C byte-identical (.pte, .ptd): {r['identical']} {r['outputs']}")
             failed |= not r["identical"]
     finally:

@@ -377,17 +377,24 @@ def task_export():
 
 
 def check_room(runner: Runner) -> None:
-    """A first build (no package built yet) whose weights the disk cannot hold is refused now,
-    before its first stage (cudabuild.engine.room)."""
+    """A build that writes weights the disk cannot hold is refused now, before its first stage
+    (cudabuild.engine.room): a first build, and one of new weights (another seed, another
+    checkpoint), which stores them in the cache and writes a new .ptd into build/."""
     config = runner.config
-    if not config.weights_bytes or (config.build_dir / ".stamps" / "package.json").exists():
+    if not config.weights_bytes:
         return
-    # Weights the cache holds already (their stage up to date or restorable) need no room there:
+    # The stages that store the weights: the quantize stage's bundle, else the exports' weight files.
+    plan = runner.pipeline.plan(config)
+    writers = [s for s in plan if s.kind == "quantize"] or [s for s in plan if s.kind == "export"]
+    if (config.build_dir / ".stamps" / "package.json").exists() and all(
+            runner.decide(s).verdict == "cached" for s in writers):
+        return  # the weights built here already: what a no-op build decides anyway (no store, no torch)
+    # Weights the cache holds already (their stages up to date or restorable) need no room there:
     # a restore writes build/'s .ptd alone.
     from cudabuild.engine.explain import forecast
 
     verdicts = {f.stage: f.verdict for f in forecast(runner)}
-    cached = verdicts.get("quantize") in ("up to date", "restorable")
+    cached = all(verdicts.get(s.id) in ("up to date", "restorable") for s in writers)
     defaults = config.description.get("options") or {}
     chosen = [f"{k}={v}" for k, v in config.options.items() if defaults.get(k) != v]
     what = f"{config.model}/{config.target}" + (f" ({', '.join(chosen)})" if chosen else "")

@@ -1,16 +1,23 @@
 """The CUDA lowering pipeline as data: the table of stage kinds the engine builds.
 
-    probe ─┬─> [quantize] ─> export[m] ─┬─(code)─> edge[m] ─> compile[m] ─┐
-           │                            ├──────(weights)──────────────> blob[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
-           │                            │                                        └─> verify[m]
-           │                            └─> [reference[m]] ──────────────────────────────┘
-           └────────────────────────(toolchain)───────────────────────┘
+    probe ─┬─> [quantize] ─┬─(layout)─> trace[m] ─(code)─┐
+           │               └─────────(weights)───────────┴─> export[m] ─┬─(code)─> edge[m] ─> compile[m] ─┐
+           │                                                            ├──────(weights)──────────────> blob[m] ─┬─> package ──> (outputs in build/<model>/<target>/)
+           │                                                            │                                        └─> verify[m]
+           │                                                            └─> [reference[m]] ──────────────────────────────┘
+           └─────────────────────────────────────────(toolchain)──────────────────────────────────────────┘
 
-Edge and compile follow the exported program's *code* (its graph and its tensors' names, dtypes,
-shapes and strides: export's `code` facet), not its weights' values, so new weights for the same
-model lower and compile nothing; `blob` follows the weights, and writes their weights blob for the
-compiled code (cudabuild.backend.stages.blob). A recipe's `weights_options` (a seed) are the
-options explain knows to change the weights alone (`values_only`).
+Nothing after the trace follows the weights' values where it need not. `trace` (torch.export of
+the recipe's model) is keyed on the code and the weights' layout: the options but the recipe's
+`weights_options` (a seed), and the quantize stage's `layout` facet, not its digest. `export`
+gives the program for this build's weights: the trace's, handed on where it was traced from this
+very model, else the trace's with the new model's weights bound into it by FQN, without
+torch.export (cudabuild.backend.stages.export, which checks that they fit and traces where they
+do not). Edge and compile follow the exported program's *code* (its graph and its tensors' names,
+dtypes, shapes and strides: export's `code` facet), not its weights' values, so new weights for
+the same model trace, lower and compile nothing; `blob` follows the weights, and writes their
+weights blob for the compiled code (cudabuild.backend.stages.blob). A recipe's `weights_options`
+are the options explain knows to change the weights alone (`values_only`).
 
 `quantize` is in a build only when the recipe's form for the target declares one (ExecuTorch's
 Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports. `reference` (the
@@ -95,6 +102,7 @@ FOLDER_BY_CONTENT = "(keyed by its content)"
 
 
 def _export(ctx: KeyContext) -> dict:
+    """What decides the eager model, its weights' values included (export binds them)."""
     config = ctx.config
     return {
         "model": config.model,
@@ -104,6 +112,22 @@ def _export(ctx: KeyContext) -> dict:
         "toolchain": _toolchain(ctx, "torch"),
         **({"strict": True} if config.description.get("strict_export") else {}),
     }
+
+
+def _trace(ctx: KeyContext) -> dict:
+    """Export's, less what decides only the weights' values: the options the recipe declares so (a
+    seed), the checkpoint's tensors' bytes (its layout stays: each tensor's dtype and shape, the
+    other files' content) and where the folders whose layout is keyed lie (the checkpoint, and a
+    bundle the quantize stage reads, whose `layout` facet is the row's results): what decides the
+    traced program. A nightly's next checkpoint in a new folder, of the same layout, traces nothing."""
+    description = ctx.config.description
+    inputs = _export(ctx)
+    left_out = {*(description.get("weights_options") or ()), "checkpoint",
+                *((description.get("quantize") or {}).get("folders") or ())}
+    inputs["options"] = {name: value for name, value in inputs["options"].items() if name not in left_out}
+    if ctx.config.checkpoint:
+        inputs["checkpoint"] = ctx.checkpoint_digest(layout=True)
+    return inputs
 
 
 def _lowering(config, *fields: str) -> dict:
@@ -232,9 +256,13 @@ PIPELINE = Pipeline(
         StageKind("quantize", device_factor=_device_factor("quantize"), version=1, per_method=False, module=STAGES + "quantize", consumes=("probe",),
                   params=_quantize, applies=_quantizes, device=_quantize_device, memory_from_upstream=False,
                   values_only=_weights_options),
-        StageKind("export", memory_factor=_MEMORY_FACTORS["export"], version=4, per_method=True, module=STAGES + "export", consumes=("probe", "quantize"),
-                  results={"weights": "quantize"}, params=_export,
-                  values_only=_weights_options),
+        # Keyed on the code and the weights' layout, not their values: another seed finds it cached.
+        StageKind("trace", memory_factor=_MEMORY_FACTORS["export"], version=1, per_method=True, module=STAGES + "trace",
+                  consumes=("probe", "quantize"), results={"weights": "quantize:layout"}, params=_trace),
+        StageKind("export", memory_factor=_MEMORY_FACTORS["export"], version=5, per_method=True, module=STAGES + "export",
+                  consumes=("probe", "quantize", "trace[m]"), results={"weights": "quantize", "graph": "trace[m]:code"},
+                  params=_export, values_only=_weights_options, explains_graph=True,
+                  new_weights="binds them into the traced program"),
         StageKind("edge", memory_factor=_MEMORY_FACTORS["edge"], version=5, per_method=True, module=STAGES + "edge", consumes=("probe", "export[m]"),
                   results={"graph": "export[m]:code"}, params=_edge, explains_graph=True),
         StageKind("compile", memory_factor=_MEMORY_FACTORS["compile"], device_factor=_device_factor("compile"), version=3, per_method=True, module=STAGES + "compile", consumes=("probe", "edge[m]"),
@@ -260,5 +288,6 @@ PIPELINE = Pipeline(
     ],
     fingerprint=toolchain.cheap_fingerprint,
     content_digests={".safetensors": safetensors_parts.tensor_digests},
+    layout_digests={".safetensors": safetensors_parts.tensor_layouts},
     warm_imports=_warm_imports,
 )

@@ -191,4 +191,32 @@ def tiny_copy(built_tiny, tmp_path) -> Project:
     return built_tiny.copy(tmp_path)
 
 
+def _cold_build(*settings: str):
+    def make(folder: Path) -> Project:
+        project = new_project(folder)
+        assert_ok(project.export(*settings))
+        return project
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def cold_seed_1(tmp_path_factory) -> Project:
+    """A cold build of tiny_lm's seed 1 in a fresh project and cache, once per run (read-only):
+    what a new seed after the run's seed-0 build must give, byte for byte."""
+    return shared_build("tiny_seed_1", tmp_path_factory, _cold_build("model=tiny_lm", "target=cpu", "seed=1"))
+
+
+@pytest.fixture(scope="session")
+def built_qwen_cpu(tmp_path_factory) -> Project:
+    """The run's one build of qwen_moe's CPU form (size tiny, the stock seed 42), read-only."""
+    return shared_build("qwen_cpu", tmp_path_factory, _cold_build("model=qwen_moe", "target=cpu"))
+
+
+@pytest.fixture(scope="session")
+def cold_qwen_cpu_seed_7(tmp_path_factory) -> Project:
+    """A cold build of qwen_moe's CPU form with seed 7 in a fresh project and cache, read-only."""
+    return shared_build("qwen_cpu_seed_7", tmp_path_factory, _cold_build("model=qwen_moe", "target=cpu", "seed=7"))
+
+
 from _s3_server import s3_env, s3_server  # noqa: E402,F401  the SeaweedFS S3 server (tests/_s3_server.py)

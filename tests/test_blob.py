@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import Project, assert_ok, new_project, shared_build
+from conftest import Project, assert_ok
 
 from cudabuild.engine.store import Store
 
@@ -18,18 +18,6 @@ BUILD = ("model=tiny_lm", "target=cpu")
 OUTPUTS = ("model.pte", "aoti_cpu_blob.ptd")
 
 pytestmark = pytest.mark.slow
-
-
-def _cold_seed_1(folder) -> Project:
-    project = new_project(folder)
-    assert_ok(project.export(*BUILD, "seed=1"))
-    return project
-
-
-@pytest.fixture(scope="session")
-def cold_seed_1(tmp_path_factory) -> Project:
-    """A cold build of seed 1 in a fresh project and cache, once per run (read-only)."""
-    return shared_build("tiny_seed_1", tmp_path_factory, _cold_seed_1)
 
 
 def outputs(project: Project) -> dict[str, str]:
@@ -42,7 +30,7 @@ def notes(project: Project) -> dict[str, str]:
 
 def test_a_new_seed_compiles_nothing_and_gives_a_cold_builds_bytes(tiny_copy, cold_seed_1):
     said = tiny_copy.explain("seed=1")
-    assert said["export.decode"] == "will run because option seed: 0 -> 1"
+    assert said["export.decode"] == "will run for the new weights (option seed: 0 -> 1): binds them into the traced program"
     assert said["edge.decode"] == said["compile.prefill"] == (
         "up to date (its code is unchanged: only the weights change, option seed: 0 -> 1)")
     assert said["blob.decode"] == said["package"] == "will run for the new weights (option seed: 0 -> 1)"

@@ -15,8 +15,8 @@ from conftest import assert_ok, broken_recipe_text
 
 pytestmark = pytest.mark.slow
 
-STAGES = ["probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
-          "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
+STAGES = ["probe", "trace.decode", "trace.prefill", "export.decode", "export.prefill", "edge.decode", "edge.prefill",
+          "compile.decode", "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
 
 
 def sha(path) -> str:
@@ -51,10 +51,11 @@ def test_cold_build_produces_verified_pte_and_ptd(built_tiny):
 def test_each_distinct_tensor_is_stored_once(built_tiny):
     stamps = built_tiny.root / "build" / "tiny_lm" / "cpu" / ".stamps"
     outputs = {s: json.loads((stamps / f"{s}.json").read_text())["outputs"] for s in STAGES}
-    weights = {s: {n: sha for n, sha in outputs[s].items() if n.startswith("tensor.")} for s in STAGES[1:5]}
-    # decode and prefill hold the same weights: the same blobs, at export and at edge.
-    for kind in ("export", "edge"):
+    weights = {s: {n: sha for n, sha in outputs[s].items() if n.startswith("tensor.")} for s in STAGES[1:7]}
+    # decode and prefill hold the same weights: the same blobs, at trace, export and edge.
+    for kind in ("trace", "export", "edge"):
         assert weights[f"{kind}.decode"] == weights[f"{kind}.prefill"] and weights[f"{kind}.decode"]
+    assert weights["export.decode"] == weights["trace.decode"]  # handed on: traced with this build's weights
     # The edge program reuses every export weight (its passes only add two scalar constants).
     export, edge = weights["export.decode"], weights["edge.decode"]
     assert all(edge.get(name) == sha for name, sha in export.items())
@@ -76,20 +77,33 @@ def test_each_distinct_tensor_is_stored_once(built_tiny):
     assert len(blob) <= ptd < 2 * len(blob)
 
 
-def test_noop_runs_nothing_and_imports_no_torch(tiny_copy):
-    """(How fast a no-op is, is bench/incremental.py's figure: a timed assertion here failed on a busy
-    machine. What makes it fast is asserted: no torch, no ExecuTorch, nothing run.)"""
+def noop_imports(project, model: str) -> str:
+    """What a no-op `doit export model=MODEL target=cpu` in `project` says it imported."""
     probe = (
-        "import sys, runpy; sys.argv = ['doit', 'export', 'model=tiny_lm', 'target=cpu'];\n"
+        f"import sys, runpy; sys.argv = ['doit', 'export', 'model={model}', 'target=cpu'];\n"
         "from doit.doit_cmd import DoitMain; from doit.cmd_base import ModuleTaskLoader;\n"
         "import dodo; rc = DoitMain(ModuleTaskLoader(dodo)).run(sys.argv[1:]);\n"
         "print('IMPORTED', 'torch' in sys.modules, 'executorch' in sys.modules, rc)"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tiny_copy.root, env=tiny_copy.env(),
+    result = subprocess.run([sys.executable, "-c", probe], cwd=project.root, env=project.env(),
                             capture_output=True, text=True, timeout=600)
     assert_ok(result)
-    assert "IMPORTED False False 0" in result.stdout
+    return next(line for line in result.stdout.splitlines() if line.startswith("IMPORTED"))
+
+
+def test_noop_runs_nothing_and_imports_no_torch(tiny_copy):
+    """(How fast a no-op is, is bench/incremental.py's figure: a timed assertion here failed on a busy
+    machine. What makes it fast is asserted: no torch, no ExecuTorch, nothing run.)"""
+    assert noop_imports(tiny_copy, "tiny_lm") == "IMPORTED False False 0"
     assert set(tiny_copy.statuses().values()) == {"cached"}
+
+
+def test_a_noop_of_a_model_whose_disk_need_is_checked_imports_no_torch(built_qwen_cpu, tmp_path):
+    """qwen_moe projects its weights' bytes, so a build checks its disk before its first stage
+    (doit_tasks.check_room); a no-op's check decides no more than its stamps."""
+    project = built_qwen_cpu.copy(tmp_path)
+    assert noop_imports(project, "qwen_moe") == "IMPORTED False False 0"
+    assert set(project.statuses("qwen_moe").values()) == {"cached"}
 
 
 def test_doit_list_lists_and_says_nothing_about_building(tiny_copy):
@@ -109,15 +123,15 @@ def test_a_comment_edit_reruns_nothing(tiny_copy):
     assert tiny_copy.statuses()["export.decode"] == "ran"  # a code edit is not a comment
 
 
-def test_an_edit_that_changes_no_graph_reruns_export_only(tiny_copy):
+def test_an_edit_that_changes_no_graph_reruns_trace_and_export_only(tiny_copy):
     recipe = tiny_copy.root / "recipes" / "tiny_lm.py"
     text = recipe.read_text()
     text = text.replace("T = 8\n    return (torch.arange(T,", "length = 8\n    T = length\n    return (torch.arange(T,")
     recipe.write_text(text)
     assert_ok(tiny_copy.export("model=tiny_lm", "target=cpu"))
     statuses = tiny_copy.statuses()
-    assert statuses["export.decode"] == statuses["export.prefill"] == "ran"
-    assert {s for k, s in statuses.items() if not k.startswith("export")} == {"cached"}
+    assert statuses["trace.decode"] == statuses["trace.prefill"] == statuses["export.decode"] == "ran"
+    assert {s for k, s in statuses.items() if not k.startswith(("trace", "export"))} == {"cached"}
     reason = next(s for s in tiny_copy.manifest()["stages"] if s["stage"] == "export")["reason"]
     assert "recipes/tiny_lm.py" in reason
 

@@ -53,19 +53,19 @@ def stats_rows(text: str) -> dict[str, tuple[int, int, int]]:
 
 @pytest.mark.slow
 def test_stats_count_what_the_scripted_builds_did(tmp_path_factory):
-    # Builds: full (12 ran), no-op (12 cached), decode spec change (compile.decode, blob.decode,
-    # package, verify.decode ran; 8 cached), rm -rf build + rebuild (12 restored).
+    # Builds: full (14 ran), no-op (14 cached), decode spec change (compile.decode, blob.decode,
+    # package, verify.decode ran; 10 cached), rm -rf build + rebuild (14 restored).
     scripted = scripted_builds(tmp_path_factory)
     out = scripted.cudabuild("cache", "stats", "--last", "4").stdout
     rows = stats_rows(out)
     assert rows["probe"] == (2, 1, 1)
     assert rows["compile"] == (3, 2, 3)
     assert rows["package"] == (1, 1, 2)
-    assert rows["all"] == (20, 12, 16)
+    assert rows["all"] == (24, 14, 18)
     saved_seconds, saved_mib = re.search(r"without running them: ([\d.]+)s of run time and ([\d.]+) MiB", out).groups()
     assert float(saved_seconds) > 1 and float(saved_mib) > 1
     assert re.match(r"cache .*: \d+ blobs [\d.]+ MiB, \d+ records", out)
-    assert stats_rows(scripted.cudabuild("cache", "stats", "--last", "1").stdout)["all"] == (0, 12, 0)
+    assert stats_rows(scripted.cudabuild("cache", "stats", "--last", "1").stdout)["all"] == (0, 14, 0)
 
 
 def plant(store: Store, count: int, size: int) -> list[str]:
@@ -100,7 +100,7 @@ def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_
     assert "evicted 1 blob and 0 records" in out and "note: what build/ references alone is over the limit" in out
     assert set(clone.explain().values()) == {"up to date"}
     summary = clone.run("-m", "doit", "export", *BUILD).stdout
-    assert "ran 0, restored 0, cached 12" in summary
+    assert "ran 0, restored 0, cached 14" in summary
 
 
 def test_gc_dry_run_changes_nothing_and_reports_what_gc_then_does(tmp_path, monkeypatch, capsys):

@@ -271,7 +271,7 @@ def test_a_local_cluster_runs_what_must_run_and_a_stage_failing_there_fails_its_
     assert builds["tiny_lm"]["placement"]["package"]["name"] == "host0"  # cluster=local, CUDABUILD_JOBS=1: one worker
     assert proj.manifest()["outputs"] == built_tiny.manifest()["outputs"]
     broken = builds["broken"]
-    assert broken["status"] == "failed" and broken["failed_step"] == "export.forward"
+    assert broken["status"] == "failed" and broken["failed_step"] == "trace.forward"
     assert broken["error"].startswith("on worker host0 (") and "broken on purpose" in broken["error"]
     assert [w["name"] for w in report["cluster"]["workers"]] == ["host0"] and report["cluster"]["submitted"] == 2
 

@@ -43,9 +43,9 @@ def test_a_failing_stage_shows_its_log_and_the_lines_that_matter(project):
     result = project.export("model=broken_lm", "target=cpu")
     assert result.returncode != 0
     out = (result.stdout + result.stderr).splitlines()
-    error = next(i for i, line in enumerate(out) if line.startswith("cudabuild: error: [export.decode]"))
-    assert out[error + 1] == "  log: build/broken_lm/cpu/logs/export.decode.log"
-    log = project.root / "build/broken_lm/cpu/logs/export.decode.log"
+    error = next(i for i, line in enumerate(out) if line.startswith("cudabuild: error: [trace.decode]"))
+    assert out[error + 1] == "  log: build/broken_lm/cpu/logs/trace.decode.log"
+    log = project.root / "build/broken_lm/cpu/logs/trace.decode.log"
     tail = [line[4:] for line in out[error + 2:] if line.startswith("  | ")]
     assert tail and tail == console.lines_that_matter(log)  # the end of the log, without the noise
     assert any("broken_lm.py" in line and "if tokens.sum() > 0" in line for line in tail)  # torch's own pointer
@@ -54,7 +54,7 @@ def test_a_failing_stage_shows_its_log_and_the_lines_that_matter(project):
     # The timeline of a failed build is written too, up to the failure.
     timeline = json.loads((project.root / "build/broken_lm/cpu/trace.json").read_text())["traceEvents"]
     build = next(e for e in timeline if e["name"] == "build")
-    assert build["args"]["failed"] == "export.decode" and any(e["name"] == "export.decode" for e in timeline)
+    assert build["args"]["failed"] == "trace.decode" and any(e["name"] == "trace.decode" for e in timeline)
 
 
 def test_capture_takes_fd_level_output_and_the_console_still_reaches_the_terminal(tmp_path):

@@ -72,7 +72,8 @@ def test_a_detached_build_finishes_after_its_command_returned_and_one_killed_mid
     # What the killed build had finished was not done again: those stamps are untouched.
     now = {p.stem: p.stat().st_mtime_ns for p in (killed.build_dir / ".stamps").glob("*.json")}
     kept = [stage for stage, mtime in finished.items() if now.get(stage) == mtime]
-    assert {"probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill"} <= set(kept), kept
+    assert {"probe", "trace.decode", "trace.prefill", "export.decode", "export.prefill", "edge.decode",
+            "edge.prefill"} <= set(kept), kept
     assert all(statuses[stage] == "cached" for stage in kept if stage in statuses)
     assert killed.manifest()["outputs"] == tiny_copy.manifest()["outputs"]
 

@@ -6,7 +6,8 @@ that filled its disk 757 s in with four or five copies of the weights.
 - sampled while a cold build runs, the disk it takes (the cache, build/, the work folders beside
   the cache, inductor's folders) never passes the weights twice over and a stated allowance for
   the code (.so, .pte, C++ objects) and the folders' small files;
-- a build that cannot fit is refused before its first stage, in one line, with nothing written;
+- a build that cannot fit is refused before its first stage, in one line, with nothing written; so
+  is one of new weights (another seed) after a build of the old, which stores them afresh;
 - a disk that fills anyway is named the same way by whichever stage meets it (end to end in
   tests/test_hardening.py, on a real tmpfs).
 """
@@ -125,6 +126,44 @@ def test_a_build_that_cannot_fit_is_refused_before_its_first_stage(project):
     assert len(lines) == 1 and lines[0].startswith("cudabuild: error: qwen_moe/cpu (size=35b-a3b") and " needs about " in lines[0], lines
     assert "GB free" in lines[0] and "CUDABUILD_CACHE_DIR" in lines[0]
     assert not (project.root / "build").exists()
+
+
+# A build's room, checked as `doit export` checks it before its first stage, for weights of 60% of
+# the cache's free space (one copy fits, the build's two do not): "fits", or the refusal's line;
+# and whether the check imported torch.
+ROOM = """
+import dataclasses, shutil, sys
+from pathlib import Path
+from cudabuild.config import load_config
+from cudabuild.doit_tasks import check_room
+from cudabuild.engine.room import NoRoom
+from cudabuild.engine.runner import Runner
+from cudabuild.engine.store import Store
+store = Store()
+config = load_config(Path.cwd(), dict(a.split("=", 1) for a in sys.argv[1:]), store)
+runner = Runner(dataclasses.replace(config, weights_bytes=int(shutil.disk_usage(store.root).free * 0.6)), store, "t")
+try:
+    check_room(runner)
+    print("ROOM fits")
+except NoRoom as e:
+    print("ROOM", e)
+print("TORCH", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_a_new_seed_after_a_build_is_checked_for_room_and_the_same_build_is_not(tiny_copy):
+    """A built package no longer exempts a build: new weights (another seed) are stored in the cache
+    and written into a new .ptd, and are checked; the same weights again are not (a no-op build
+    decides no more than its stages' stamps, and imports no torch)."""
+    def room(*settings):
+        out = tiny_copy.run("-c", ROOM, "model=tiny_lm", "target=cpu", *settings).stdout.splitlines()
+        return out[-2], out[-1]
+
+    assert room() == ("ROOM fits", "TORCH False")
+    refused, torch_loaded = room("seed=7")
+    assert refused.startswith("ROOM tiny_lm/cpu (seed=7) needs about ") and " GB free" in refused, refused
+    assert torch_loaded == "TORCH False"
 
 
 def test_the_projection_counts_only_build_s_ptd_when_the_weights_are_cached(tmp_path):

@@ -24,10 +24,11 @@ def _read(results: dict):
 
 def test_the_plan_and_dependencies_follow_the_table():
     assert [s.id for s in PIPELINE.plan(CONFIG)] == [
-        "probe", "export.decode", "export.prefill", "edge.decode", "edge.prefill", "compile.decode",
-        "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
+        "probe", "trace.decode", "trace.prefill", "export.decode", "export.prefill", "edge.decode", "edge.prefill",
+        "compile.decode", "compile.prefill", "blob.decode", "blob.prefill", "package", "verify.decode", "verify.prefill"]
     deps = lambda stage: [d.id for d in PIPELINE.dependencies(stage, CONFIG)]
     assert deps(Stage("probe")) == []
+    assert deps(Stage("export", "prefill")) == ["probe", "trace.prefill"]
     assert deps(Stage("compile", "prefill")) == ["probe", "edge.prefill"]
     assert deps(Stage("blob", "prefill")) == ["probe", "export.prefill", "edge.prefill", "compile.prefill"]
     assert deps(Stage("package")) == ["probe", "export.decode", "export.prefill", "blob.decode", "blob.prefill"]
@@ -128,3 +129,38 @@ def test_a_row_that_consumes_a_later_or_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="keys graph on lint\\[m\\], which it does not consume"):
         Pipeline([probe, per_method, StageKind("sum", 1, True, "m", consumes=("probe",), results={"graph": "lint[m]"})],
                  fingerprint=dict)
+
+
+SEEDED = SimpleNamespace(**dict(vars(CONFIG), options={"seed": 0, "layers": 2},
+                                description=dict(CONFIG.description, weights_options=("seed",))))
+
+
+def _with(config, **options):
+    return SimpleNamespace(**dict(vars(config), options=dict(config.options, **options)))
+
+
+def test_the_trace_follows_the_code_and_export_the_weights_too():
+    """Trace's key leaves out the options that change only the weights' values (a seed), so a new
+    seed finds it; export keys on them and on the traced code (trace's `code` facet)."""
+    results = {"probe": Result("p", {"torch": "2.13"}), "trace.decode": Result("t1", {"facets": {"code": "k1"}})}
+    key = lambda stage, config: digest(PIPELINE.inputs(stage, config, _read(results), lambda: {}, lambda: None))
+    trace, export = Stage("trace", "decode"), Stage("export", "decode")
+    assert key(trace, _with(SEEDED, seed=7)) == key(trace, SEEDED)
+    assert key(trace, _with(SEEDED, layers=3)) != key(trace, SEEDED)  # other code: another trace
+    assert key(export, _with(SEEDED, seed=7)) != key(export, SEEDED)
+    export_in = PIPELINE.inputs(export, SEEDED, _read(results), lambda: {}, lambda: None)
+    assert export_in["graph"] == "k1" and PIPELINE.upstream_of(("graph",), export_in) == "trace.decode"
+    assert ("options", "seed") in PIPELINE.rows["export"].values_only(SEEDED)
+
+
+def test_a_result_without_the_facet_a_stage_reads_keys_it_whole():
+    """On cuda the trace keys on the quantize stage's `layout` facet; a quantize record made before
+    the facet existed has none, and is then read whole (its digest), never as nothing."""
+    cuda = SimpleNamespace(**dict(vars(SEEDED), target="cuda",
+                                  description=dict(SEEDED.description, quantize={"options": [], "folders": [], "sources": []})))
+    inputs = lambda quantize: PIPELINE.inputs(Stage("trace", "decode"), cuda, _read(
+        {"probe": Result("p", {"torch": "2.13"}), "quantize": quantize}), lambda: {}, lambda: None)
+    assert inputs(Result("q1", {"facets": {"layout": "L"}}))["weights"] == "L"
+    assert inputs(Result("q2", {"facets": {"layout": "L"}}))["weights"] == "L"  # new weights, one layout
+    assert inputs(Result("q1", {"device": "cuda"}))["weights"] == "q1"
+    assert isinstance(inputs(Result(Pending("quantize")))["weights"], Pending)

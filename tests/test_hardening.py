@@ -50,7 +50,7 @@ def records(project: Project) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, after", [
-    pytest.param("export.decode", 0.3, id="export"),
+    pytest.param("trace.decode", 0.3, id="trace"),
     pytest.param("edge.prefill", 0.5, id="edge"),
     pytest.param("compile.prefill", 3.0, id="compile"),
     pytest.param("package", 0.5, id="package"),
@@ -354,8 +354,9 @@ def test_full_disk_fails_in_one_line_and_a_build_with_room_succeeds(built_tiny, 
     assert "disk is full" in line or "No space left on device" in line, line
 
     filler.unlink()
-    statuses = rebuild(project)  # export.decode may have been stored before the disk filled up
-    assert {k for k, s in statuses.items() if s != "cached"} <= {"export.decode", "export.prefill"}, statuses
+    statuses = rebuild(project)  # trace.decode may have been stored before the disk filled up
+    assert {k for k, s in statuses.items() if s != "cached"} <= {"trace.decode", "trace.prefill", "export.decode",
+                                                                  "export.prefill"}, statuses
     assert "ran" in statuses.values(), statuses
     assert_same_outputs(project, built_tiny)
     assert_cache_verifies(project)

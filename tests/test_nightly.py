@@ -41,10 +41,10 @@ def test_a_broken_model_does_not_stop_the_others(built_tiny, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads((proj.root / "build" / "nightly.json").read_text())
     builds = {b["model"]: b for b in report["builds"]}
-    assert builds["tiny_lm"]["status"] == "ok" and builds["tiny_lm"]["stages"]["cached"] == 12
+    assert builds["tiny_lm"]["status"] == "ok" and builds["tiny_lm"]["stages"]["cached"] == 14
     assert builds["tiny_lm"]["outputs"] == built_tiny.manifest()["outputs"]
     broken = builds["broken"]
-    assert broken["status"] == "failed" and broken["failed_step"] == "export.forward"
+    assert broken["status"] == "failed" and broken["failed_step"] == "trace.forward"
     assert "broken on purpose" in broken["error"] and "compile.forward" in broken["skipped"]
     assert (report["ok"], report["failed"], report["cache"]["hit_rate"]) == (1, 1, 1.0)
     assert "1 of 2 nightly builds failed (broken/cpu)" in result.stdout + result.stderr

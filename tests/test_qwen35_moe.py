@@ -160,7 +160,7 @@ def _config(store, **settings):
 
 
 def test_the_quantize_stage_is_in_the_cuda_build_only(store):
-    assert [s.id for s in PIPELINE.plan(_config(store))][:3] == ["probe", "quantize", "export.decode"]
+    assert [s.id for s in PIPELINE.plan(_config(store))][:3] == ["probe", "quantize", "trace.decode"]
     cpu = load_config(REPO, {"model": "qwen_moe", "target": "cpu"}, store)
     assert "quantize" not in [s.id for s in PIPELINE.plan(cpu)]
     assert "weights" not in _inputs(cpu, Stage("export", "decode"))  # its keys are what they were
@@ -187,6 +187,23 @@ def test_what_decides_the_weights_reruns_quantize(store, settings):
 def test_exports_key_on_the_quantized_weights(store):
     inputs = _inputs(_config(store), Stage("export", "prefill"))
     assert inputs["weights"] == "q" and inputs["strict"] is True
+
+
+def test_a_new_seed_on_cuda_keeps_the_trace_and_reruns_export(store):
+    """The trace keys on the quantized weights' layout (the quantize stage's `layout` facet) and the
+    options but the seed; export on the quantized weights themselves."""
+    def inputs(stage, quantized, **settings):
+        stamps = {"probe": Result("p", {"torch": "2.13"}), "quantize": quantized,
+                  "trace.prefill": Result("t", {"facets": {"code": "k"}})}
+        return PIPELINE.inputs(stage, _config(store, **settings), lambda s: stamps.get(s.id), lambda: {},
+                               lambda folder=None: None)
+
+    seed_42, seed_7 = Result("q42", {"facets": {"layout": "L"}}), Result("q7", {"facets": {"layout": "L"}})
+    trace, export = Stage("trace", "prefill"), Stage("export", "prefill")
+    assert digest(inputs(trace, seed_7, seed="7")) == digest(inputs(trace, seed_42))
+    assert "seed" not in inputs(trace, seed_42)["options"] and inputs(trace, seed_42)["strict"] is True
+    assert digest(inputs(export, seed_7, seed="7")) != digest(inputs(export, seed_42))
+    assert digest(inputs(trace, Result("q8w", {"facets": {"layout": "L8"}}), qlinear="8w")) != digest(inputs(trace, seed_42))
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -345,3 +362,26 @@ def test_an_eager_reference_far_outside_bf16s_spread_is_called_wrong_not_the_com
     truth["eager"] = {"states": {"layers.0.attn.recurrent_state": 0.0}, "gaps": [1.0]}
     report = sampled_logits.judge(eager, [torch.tensor([[0]])], exact, exact, 0.005, truth=truth)
     assert not report["passed"] and report["reference"]["worst"]["buffer"].startswith("step 0's token")
+
+
+def test_a_checkpoint_of_new_values_keeps_the_trace_key_and_one_of_another_layout_does_not(store, tmp_path):
+    """The trace keys on a checkpoint's layout (each tensor's dtype and shape, config.json), not its
+    bytes nor its folder's path: a nightly's next checkpoint, wherever it lies, traces nothing;
+    export keys on its content. (Real checkpoints in the released naming; a real Runner's keys.)"""
+    from cudabuild.engine.runner import Runner
+    from cudabuild.models import qwen35_moe_hf
+
+    def keys(folder) -> tuple[str, str]:
+        runner = Runner(load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(folder)}, store),
+                        store, "test")
+        results = {"probe": Result("p", {"torch": "2.13"}), "trace.decode": Result("t", {"facets": {"code": "k"}})}
+        return tuple(digest(runner.inputs(Stage(kind, "decode"), read=lambda s: results.get(s.id)))
+                     for kind in ("trace", "export"))
+
+    trace, export = keys(qwen35_moe_hf.save(tmp_path / "nightly-1", seed=1))
+    again_trace, again_export = keys(qwen35_moe_hf.save(tmp_path / "nightly-2", seed=2))
+    assert again_trace == trace and again_export != export
+    in_place = qwen35_moe_hf.save(tmp_path / "nightly-1", seed=3)  # rewritten where it was: new bytes
+    assert keys(in_place)[0] == trace and keys(in_place)[1] != export
+    other_dtype = qwen35_moe_hf.save(tmp_path / "bf16", qwen35_moe_hf.config_json(dtype="bfloat16"), seed=1)
+    assert keys(other_dtype)[0] != trace

@@ -116,7 +116,8 @@ def test_stamps_round_trip_through_the_one_reader_and_writer(tmp_path):
 
 def test_a_corrupt_upstream_blob_is_rebuilt_through_the_builds_executor(runner_for):
     """A producer whose output turns out bad is run again by the build's executor (its lock, its
-    admission, its process), not beside it; then the consumer reads the new output."""
+    admission, its process), not beside it; then the consumer reads the new output. Export hands on
+    the trace's outputs: it reads them first, and its own producer, the trace, is run again too."""
     from cudabuild.engine import executors
 
     make, _ = runner_for
@@ -139,7 +140,7 @@ def test_a_corrupt_upstream_blob_is_rebuilt_through_the_builds_executor(runner_f
 
     runner.executor = Noted()
     assert runner.execute(verify) == "ran"
-    assert [stage for stage, _ in jobs] == ["verify.decode", "export.decode"]
+    assert [stage for stage, _ in jobs] == ["verify.decode", "export.decode", "trace.decode"]
     rebuilt = runner.read_stamp(export)
     assert (rebuilt.status, rebuilt.key, runner.statuses["export.decode"]) == ("ran", jobs[1][1], "ran")
     assert runner.store.verify_blob(rebuilt.outputs["inputs.pt"])  # stored again, whole

@@ -11,7 +11,7 @@ import torch
 from cudabuild.engine import explain
 from cudabuild.engine.hashing import FileHasher
 from cudabuild.models import checkpoint
-from cudabuild.models.safetensors_parts import tensor_digests
+from cudabuild.models.safetensors_parts import tensor_digests, tensor_layouts
 from cudabuild.pipeline import PIPELINE
 
 PARTS = {".safetensors": tensor_digests}
@@ -32,6 +32,21 @@ def test_each_tensor_has_its_own_digest_and_only_a_changed_one_moves(tmp_path):
     assert after["a"] == before["a"] and after["b"] != before["b"]
     write_shard(tmp_path / "x.safetensors", a=a.view(8, 8), b=b)  # same bytes, another shape
     assert tensor_digests(tmp_path / "x.safetensors")["a"] != before["a"]
+
+
+def test_a_layout_is_each_tensors_dtype_and_shape_not_its_values(tmp_path):
+    """What the quantize stage's `layout` facet is made of (cudabuild.backend.stages.quantize): the
+    trace keys on it, so new values keep it and another shape or dtype does not."""
+    a, b = torch.arange(64, dtype=torch.float32), torch.ones(4, 4, dtype=torch.bfloat16)
+    write_shard(tmp_path / "x.safetensors", a=a, b=b)
+    before = tensor_layouts(tmp_path / "x.safetensors")
+    assert before == {"a": ["F32", [64]], "b": ["BF16", [4, 4]], "__metadata__": {"format": "pt"}}
+    write_shard(tmp_path / "x.safetensors", a=a * 3, b=b * 2)
+    assert tensor_layouts(tmp_path / "x.safetensors") == before
+    write_shard(tmp_path / "x.safetensors", a=a.view(8, 8), b=b)
+    assert tensor_layouts(tmp_path / "x.safetensors")["a"] == ["F32", [8, 8]]
+    write_shard(tmp_path / "x.safetensors", a=a.half(), b=b)
+    assert tensor_layouts(tmp_path / "x.safetensors")["a"] == ["F16", [64]]
 
 
 def test_a_file_that_is_not_safetensors_keys_by_its_bytes(tmp_path):

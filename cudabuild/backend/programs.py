@@ -133,9 +133,29 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None,
     all at once (at 40 layers of a 35B MoE, 20 GB a method); it is then among `reused`."""
     from executorch.exir.serde.serialize import serialize
 
+    saved = save_weights(ep.state_dict, folder, reuse, keep)
+    # serialize() would copy every weight into its own bytes; it only needs the graph, so it gets a
+    # program whose state dict is empty (the weights are written above).
+    with _symbolic_ops_serializable():
+        artifact = serialize(_without_state(ep))
+    parts = {"program.json": artifact.exported_program, "constants.pt": artifact.constants,
+             "inputs.pt": artifact.example_inputs, "weights.json": json.dumps(saved.index, sort_keys=True).encode()}
+    for name, data in parts.items():
+        saved.files[name] = folder / name
+        saved.files[name].write_bytes(data)
+        saved.shas[name] = hashlib.sha256(data).hexdigest()
+    return saved
+
+
+def save_weights(state: dict, folder: Path, reuse: Optional[StoredWeights] = None,
+                 keep: Optional[Callable[[Path, str, list], str]] = None) -> SavedProgram:
+    """A program's weights (`state`: its state dict, by FQN) written as save_program writes them,
+    one `tensor.<fqn>` file each (the same bytes for the same tensor, whoever writes it); with
+    `reuse` and `keep` as there. The weights alone: what binding new weights into a stored
+    program writes (cudabuild.backend.stages.export)."""
     folder.mkdir(parents=True, exist_ok=True)
     files, shas, reused, index, regions = {}, {}, {}, {}, {}
-    for fqn, tensor in ep.state_dict.items():
+    for fqn, tensor in state.items():
         name = index[fqn] = TENSOR_PREFIX + fqn
         known = reuse.sha_of(tensor) if reuse is not None else None
         if known is not None:
@@ -151,16 +171,6 @@ def save_program(ep, folder: Path, reuse: Optional[StoredWeights] = None,
             regions[name] = archive_regions(path)
         if reuse is not None:
             reuse.add(tensor, shas[name])
-    # serialize() would copy every weight into its own bytes; it only needs the graph, so it gets a
-    # program whose state dict is empty (the weights are written above).
-    with _symbolic_ops_serializable():
-        artifact = serialize(_without_state(ep))
-    parts = {"program.json": artifact.exported_program, "constants.pt": artifact.constants,
-             "inputs.pt": artifact.example_inputs, "weights.json": json.dumps(index, sort_keys=True).encode()}
-    for name, data in parts.items():
-        files[name] = folder / name
-        files[name].write_bytes(data)
-        shas[name] = hashlib.sha256(data).hexdigest()
     return SavedProgram(files, shas, reused, index, regions)
 
 
@@ -518,7 +528,12 @@ def program_tensors(ep) -> dict:
 def code_summary(ep, summary: dict, own: Optional[set] = None) -> dict:
     """`summary` (graph_summary's) with the weights' values left out (see the module docstring):
     what code_digest hashes. `own` names the tensors whose values stay in (None: none)."""
-    tensors = program_tensors(ep)
+    return tensors_code_summary(program_tensors(ep), summary, own)
+
+
+def tensors_code_summary(tensors: dict, summary: dict, own: Optional[set] = None) -> dict:
+    """code_summary of a program whose tensors by FQN (program_tensors') are `tensors`: for a
+    program that is not at hand as one (a stored graph with other weights bound to it)."""
     values = {**summary["state"], **summary["constants"]}
     kept = {fqn for fqn, t in tensors.items() if decides_code(t) or (own is not None and fqn in own)}
     return {
@@ -527,6 +542,14 @@ def code_summary(ep, summary: dict, own: Optional[set] = None) -> dict:
         "tensors": {fqn: tensor_code(t) for fqn, t in sorted(tensors.items())},
         "values": {fqn: values.get(fqn) or tensor_digest(tensors[fqn]) for fqn in sorted(kept)},
     }
+
+
+def weight_layout(t: torch.Tensor) -> list:
+    """What of a weight must be the same for another weight to take its place in a stored program:
+    its code (tensor_code: dtype, shape, strides, offset, bytes, device, a subclass's structure),
+    its class (a Parameter is pickled as one) and whether it requires grad (which a Parameter's
+    pickle holds too)."""
+    return [*tensor_code(t), f"{type(t).__module__}.{type(t).__qualname__}", bool(t.requires_grad)]
 
 
 def code_digest(ep, summary: dict, own: Optional[set] = None) -> str:

@@ -101,6 +101,11 @@ class StageContext:
 
     # -- what a stage reads beside its upstream outputs: never the store itself --------------------
 
+    def checkpoint_digest(self) -> Optional[dict]:
+        """The content digest of the build's checkpoint (file by file, part by part), or None
+        without one: what decides its weights' values, for a stage whose key holds less of it."""
+        return self.runner.checkpoint_digest()
+
     @property
     def recipe(self):
         """The recipe's form for this build's target (recipes/<model>.py's RECIPE.for_target),

@@ -11,7 +11,9 @@ it waits on instead of guessing, with one prediction: a change of nothing but th
 (an option the recipe declares as such, a seed: the rows' `values_only`) keeps every facet of the
 results it reaches (export's `code`), so the stages keyed on those facets (edge, compile) are told
 up to date, their code unchanged, and those keyed on the weights (blob, package, verify) as
-running for the new weights. The build itself computes the facets, and a wrong forecast costs a
+running for the new weights, with what a row says it does with them (export: "binds them into
+the traced program"); a stage up to date whose result such a stage keys on (the trace) is told
+up to date for that reason. The build itself computes the facets, and a wrong forecast costs a
 compile, never a wrong artifact.
 
 Must not import torch, executorch or doit, nor the runner (it is handed one), nor write to build/
@@ -119,7 +121,7 @@ def describe(c: Change, inputs: dict, pipeline: Pipeline) -> str:
 
 def _graph_name(stage_id: str) -> str:
     kind, _, method = stage_id.partition(".")
-    return f"the {'exported' if kind == 'export' else kind} graph of {method}"
+    return f"the {({'export': 'exported', 'trace': 'traced'}).get(kind, kind)} graph of {method}"
 
 
 def _weights_name(stage_id: str) -> str:
@@ -317,7 +319,21 @@ def forecast(runner) -> list[Forecast]:
                 value = dict(value or {}, facets=dict(facets))
         predicted[stage.id] = Result(Pending(stage.id), value, None)
         out.append(_will_run(decision, predicted, graphs, pipeline, new_weights))
-    return out
+    return _untouched_by_new_weights(out, runner, new_weights, kept)
+
+
+def _untouched_by_new_weights(out: list[Forecast], runner, new_weights: dict, kept: dict) -> list[Forecast]:
+    """An up-to-date stage whose result a stage running for new weights keys on (the trace that
+    export binds them into) is said to be up to date for that reason."""
+    config, pipeline = runner.config, runner.pipeline
+    readers: dict[str, list[str]] = {}
+    for stage in pipeline.plan(config):
+        if stage.id in new_weights:
+            for upstream in pipeline.results_read(stage, config):
+                readers.setdefault(upstream.id, []).append(new_weights[stage.id])
+    return [Forecast(f.stage, f.verdict, f"up to date (the new weights do not change it: "
+                                         f"{'; '.join(dict.fromkeys(readers[f.stage]))})")
+            if f.verdict == "up to date" and f.stage in readers and f.stage not in kept else f for f in out]
 
 
 def not_in_cache(runner, forecasts: list[Forecast]) -> list[str]:
@@ -363,8 +379,10 @@ def _will_run(decision, predicted: dict, graphs: _Graphs, pipeline: Pipeline, ne
         if waits:
             return Forecast(stage.id, "wait", f"not built here; runs or restores depending on {_results_of(waits)}")
         return Forecast(stage.id, "run", "will run: not built here before, and not in the cache")
-    if stage.id in new_weights and waits:
-        return Forecast(stage.id, "run", f"will run for the new weights ({new_weights[stage.id]})")
+    if stage.id in new_weights:
+        does = pipeline.row(stage).new_weights
+        return Forecast(stage.id, "run", f"will run for the new weights ({new_weights[stage.id]})"
+                                         + (f": {does}" if does else ""))
     known = [c for c in diff(old.inputs, inputs) if not pending_in(c.new)]
     words = [_describe_with_graphs(c, inputs, predicted, graphs, pipeline) for c in known]
     if not waits:

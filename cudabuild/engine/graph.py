@@ -6,7 +6,8 @@ the upstream results it consumes. An upstream digest is semantic where it can be
 report a canonical graph hash, not the bytes of a serialized file), so an edit that leaves the
 graph alone stops the rebuild there: early cutoff. A result may also carry named digests of a
 part of it (*facets*, in its value's `facets` dict): export's `code` is its graph hash with the
-weights' values left out, and a stage keyed on `export[m]:code` is untouched by new weights. The
+weights' values left out, and a stage keyed on `export[m]:code` is untouched by new weights (a
+result that lacks the facet it is read for is read whole). The
 inputs dict is kept in each stamp, which is how `explain` names what changed. Bump a row's version
 when its stage's implementation changes what it produces.
 
@@ -95,7 +96,8 @@ class KeyContext:
     method: Optional[str]
     read: ResultReader
     fingerprint: Callable[[], dict]
-    # folder -> its digest, file by file (part by part where the pipeline can split a file); with no
+    # (folder=None, layout=False) -> the folder's digest, file by file (part by part where the
+    # pipeline can split a file; with `layout`, each part by what it is, not what it holds); with no
     # folder, the build's checkpoint's (None when it has none).
     checkpoint_digest: Callable[..., Optional[dict]]
 
@@ -146,6 +148,9 @@ class StageKind:
     # other weights' values and nothing else: its facets stay. What explain predicts with
     # (cudabuild.engine.explain); a stage that runs computes its facets, predicted or not.
     values_only: Optional[Callable[[Build], set[tuple[str, ...]]]] = None
+    # What the stage does with new weights, in words, where it does less than its whole work
+    # (export: "binds them into the traced program"): what explain says it will run for.
+    new_weights: Optional[str] = None
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -162,7 +167,8 @@ class Pipeline:
 
     def __init__(self, rows: list[StageKind], fingerprint: Callable[[str], dict],
                  content_digests: Optional[Mapping[str, Callable[[str], dict]]] = None,
-                 warm_imports: Optional[Callable[[str], tuple[str, ...]]] = None):
+                 warm_imports: Optional[Callable[[str], tuple[str, ...]]] = None,
+                 layout_digests: Optional[Mapping[str, Callable[[str], dict]]] = None):
         self.rows = {row.kind: row for row in rows}
         # target -> the third-party modules its stages import, which a warm process imports once
         # for all of them (cudabuild.engine.warm); () for none.
@@ -172,6 +178,10 @@ class Pipeline:
         # a .safetensors shard): how a checkpoint file enters the key, so that a change is told
         # part by part. Other files enter by their sha256.
         self.content_digests = dict(content_digests or {})
+        # The same, each part by what it is and not what it holds ({name: [dtype, shape]} of a
+        # .safetensors shard's tensors): how a checkpoint enters the key of a stage that follows the
+        # weights' layout, not their values (the trace). Other files enter by their sha256.
+        self.layout_digests = dict(layout_digests or {})
         order = list(self.rows)
         for row in rows:
             for name in row.consumes:
@@ -217,6 +227,17 @@ class Pipeline:
                 out.append(Stage(kind, stage.method if scope == "m" else None))
         return out
 
+    def results_read(self, stage: Stage, config: Build) -> list[Stage]:
+        """The upstream stages whose results (digests or facets) enter the stage's key."""
+        out: list[Stage] = []
+        for name in self.row(stage).results.values():
+            kind, scope, _ = _parse_facet(name)
+            if not self.applies(kind, config):
+                continue
+            out += [Stage(kind, m) for m in config.methods] if scope == "*" else [
+                Stage(kind, stage.method if scope == "m" else None)]
+        return out
+
     def final_outputs(self, stage: Stage) -> bool:
         return self.row(stage).final_outputs
 
@@ -230,8 +251,10 @@ class Pipeline:
             if result is None or not facet:
                 return result.digest if result else None
             known = facet_of(result, facet)
-            # A stage that will run has no facets yet: its result is Pending until it has run.
-            return known if known is not None or not isinstance(result.digest, Pending) else result.digest
+            # A result without the facet is keyed on whole: a stage that will run has no facets yet
+            # (its result is Pending until it has run), and a record made before its stage named
+            # the facet holds the part only within the whole.
+            return known if known is not None else result.digest
 
         inputs: dict = {"stage": stage.kind, "version": row.version, "target": config.target}
         if stage.method:

@@ -120,11 +120,12 @@ class FileHasher:
             pass
 
     def tree(self, root: os.PathLike | str, accept: Callable[[Path], bool] = lambda p: True,
-             parts: Optional[dict[str, Callable[[str], dict]]] = None) -> dict:
+             parts: Optional[dict[str, Callable[[str], dict]]] = None, tag: str = "parts") -> dict:
         """{relative path: sha256} for every regular file under root (sorted, hidden files skipped).
 
         A file whose suffix `parts` names is given by that function's digests of its parts
-        ({part: sha256}) instead, so that a change can be told part by part.
+        ({part: sha256}) instead, so that a change can be told part by part; `tag` names what the
+        function reads off the file, for the memo (a file's parts' content, or their layout).
         """
         root = Path(root)
         parts = parts or {}
@@ -134,7 +135,7 @@ class FileHasher:
             if any(part.startswith(".") for part in rel.parts) or not path.is_file() or not accept(path):
                 continue
             split = parts.get(path.suffix)
-            out[str(rel)] = self.derived(path, "parts" + path.suffix, split) if split else self(path)
+            out[str(rel)] = self.derived(path, tag + path.suffix, split) if split else self(path)
         return out
 
 

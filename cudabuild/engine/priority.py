@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional
 
 # Typical seconds of a stage of each kind where it has no run to go by: only their proportions
 # matter (a compile is long, a reference shorter than the chain after edge, a probe instant).
-TYPICAL_SECONDS = {"probe": 1.0, "quantize": 20.0, "export": 30.0, "edge": 40.0, "compile": 100.0, "blob": 10.0,
+TYPICAL_SECONDS = {"probe": 1.0, "quantize": 20.0, "trace": 30.0, "export": 5.0, "edge": 40.0, "compile": 100.0, "blob": 10.0,
                    "package": 20.0, "reference": 40.0, "verify": 15.0, "manifest": 0.0}
 
 

@@ -124,11 +124,16 @@ class Runner:
             self._fingerprint = self.pipeline.cheap_fingerprint(self.config.target)
         return self._fingerprint
 
-    def checkpoint_digest(self, folder=None) -> Optional[dict]:
+    def checkpoint_digest(self, folder=None, layout: bool = False) -> Optional[dict]:
         """The digest of `folder` (default: the build's checkpoint), file by file and, for files
-        the pipeline can split, part by part; None without a folder."""
+        the pipeline can split, part by part; None without a folder. With `layout`, those parts by
+        what they are, not what they hold (Pipeline.layout_digests: a tensor's dtype and shape)."""
         folder = Path(folder).expanduser().resolve() if folder else self.config.checkpoint
-        return self.store.hasher.tree(folder, parts=self.pipeline.content_digests) if folder else None
+        if not folder:
+            return None
+        if layout:
+            return self.store.hasher.tree(folder, parts=self.pipeline.layout_digests, tag="layout")
+        return self.store.hasher.tree(folder, parts=self.pipeline.content_digests)
 
     def inputs(self, stage: Stage, read: Optional[ResultReader] = None) -> dict:
         return self.pipeline.inputs(stage, self.config, read or self.read_result, self.fingerprint,

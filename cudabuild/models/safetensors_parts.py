@@ -7,6 +7,9 @@ rewritten with the same tensors (a touch, a copy) keys the same. The file is rea
 a chunk at a time; the hash memo (engine.hashing) keeps the result under the file's stat
 signature, so a no-op build reads nothing.
 
+`tensor_layouts` is the same without the bytes: each tensor's dtype and shape, from the header
+alone (what a stage keyed on the weights' layout, not their values, keys on).
+
 `checked_header` reads only the header and says what is wrong with it (an entry that is not
 {dtype, shape, data_offsets}, a dtype the format does not have, offsets that do not span the
 shape's bytes, a file too short for them): what a build checks up front, before any stage, for
@@ -110,6 +113,20 @@ def tensor_regions(path: str | os.PathLike) -> list[tuple[int, int]]:
                 for name, e in entries.items() if name != METADATA]
     except (HeaderError, KeyError, TypeError, IndexError):
         return []
+
+
+def tensor_layouts(path: str | os.PathLike) -> dict[str, list]:
+    """{tensor name: [dtype, shape]} of one .safetensors file, plus the header's __metadata__ when
+    it has one: what its tensors are, not what they hold (the header alone is read). A file that
+    is not safetensors keys as its whole-file sha256 under "<unreadable>", as in tensor_digests."""
+    try:
+        entries, _, _ = read_raw_header(path)
+        out = {name: [e["dtype"], e["shape"]] for name, e in entries.items() if name != METADATA}
+    except (HeaderError, KeyError, TypeError):
+        return {"<unreadable>": _whole_file(path)}
+    if METADATA in entries:
+        out[METADATA] = entries[METADATA]
+    return out
 
 
 def tensor_digests(path: str | os.PathLike) -> dict[str, str]:

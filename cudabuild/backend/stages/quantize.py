@@ -3,7 +3,9 @@
 What decides them is in the stage's key (cudabuild.pipeline): the quantization options, the
 weights' content, the quantizer's source and the toolchain. Its outputs are the files the
 recipe's quantizer wrote (for ExecuTorch's Qwen3.5-MoE a stock-format bundle: model.safetensors
-and config.json); every export loads them through the recipe's `Quantize.load`.
+and config.json); every trace and export loads them through the recipe's `Quantize.load`. Its
+value's facet `layout` is their layout without their values (`layout_digest`), which the trace
+stage keys on.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from cudabuild.backend import device_peak
-from cudabuild.backend.stages.export import release_model
+from cudabuild.backend.eager_model import release_model
 from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
-from cudabuild.models.safetensors_parts import tensor_regions
+from cudabuild.engine.hashing import digest, sha256_file
+from cudabuild.models.safetensors_parts import tensor_layouts, tensor_regions
 
 
 def run(ctx) -> StageResult:
@@ -41,4 +44,14 @@ def run(ctx) -> StageResult:
     # The bundle's tensors, by where they lie in it: the exports' weight files repeat them, and are
     # then kept as ranges of the bundle (cudabuild.engine.spans) instead of a second copy.
     regions = {name: tensor_regions(path) for name, path in files.items() if name.endswith(".safetensors")}
+    value["facets"] = {"layout": layout_digest(files)}
     return StageResult(files, value=value, regions=regions)
+
+
+def layout_digest(files: dict[str, Path]) -> str:
+    """The prepared weights' layout: each .safetensors file's tensors by name, dtype and shape (and
+    its header's metadata: how torchao's subclasses were flattened), every other file (config.json)
+    by its content. The trace stage keys on it (the `layout` facet), so new weights of the same
+    layout trace nothing."""
+    return digest({name: tensor_layouts(path) if name.endswith(".safetensors") else sha256_file(path)
+                   for name, path in sorted(files.items())})
