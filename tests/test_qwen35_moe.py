@@ -126,6 +126,25 @@ def test_the_chunked_delta_rule_is_handed_contiguous_tensors(model):
     assert len(calls) == 1 and not calls[0].args[2].meta["val"].is_contiguous()
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["state named", "state not named"])
+def test_the_reference_streams_the_quantized_weights_to_another_device(model, decode, named):
+    """The reference's streamed run of the cuda form on a device that is not the host's (here
+    `meta`: the Triton ops have shapes there, not values, as the CPU cannot run them): its state
+    moves there for good, whether or not the caller names it (torch 2.11 named only part of it on
+    the GPU machine, 2026-12-07); its weights, torchao tensor subclasses, which take no
+    `to(copy=True)`, are copied op by op and stay on the host."""
+    from cudabuild.backend.streamed_eager import StreamedProgram
+
+    names = sampled_logits.program_buffers(decode)
+    streamed = StreamedProgram(decode, "meta", resident=names if named else ())
+    for step in q.decode_steps(model)[:2]:
+        out, _ = streamed.run(tuple(step))
+        assert out[0].device.type == "meta" if isinstance(out, (list, tuple)) else out.device.type == "meta"
+    held = dict(streamed.gm.named_buffers())
+    assert streamed.resident == names and all(held[n].device.type == "meta" for n in names)
+    assert streamed.copied_bytes > 0 and all(t.device.type == "cpu" for t in decode.state_dict.values())
+
+
 def test_verify_finds_the_logits_the_sampler_draws_from(model, decode):
     node = sampled_logits.logits_node(decode.module(), temperature_input=2)
     assert tuple(node.meta["val"].shape) == (1, model.config.vocab_size)

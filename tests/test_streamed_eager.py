@@ -66,7 +66,23 @@ def test_weights_are_copied_per_op_and_let_go(program):
     assert 0 < streamed.peak_live_bytes <= layer < weights / 2
 
 
-def test_a_write_to_a_streamed_tensor_is_refused_not_lost(program):
+def test_the_state_the_graph_writes_is_resident_though_not_named(program):
+    """A program whose signature names none of its state (torch 2.11 named only part of the cuda
+    Qwen3.5-MoE's, 2026-12-07): the graph's own in-place writes make it resident all the same."""
+    plain = exported().module()
+    want = [plain(*step) for step in steps()]
     streamed = StreamedProgram(program, "cpu", resident=(), copy_on_cpu=True)
+    got = [streamed.run(step)[0] for step in steps()]
+    assert streamed.resident == ["kv_cache"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(streamed.buffers(["kv_cache"])["kv_cache"], plain.kv_cache)
+
+
+def test_a_write_to_a_streamed_tensor_is_refused_not_lost(program):
+    streamed = StreamedProgram(program, "cpu", copy_on_cpu=True)
+    # A write the graph's scan cannot see (an op whose schema hides it) reaches a streamed copy:
+    # the cache is made streamed by hand, as such an op would leave it.
+    cache = streamed.gm.kv_cache
+    streamed.streamed[id(cache)] = cache
     with pytest.raises(StreamedWriteError, match="writes its argument"):
         streamed.run(steps()[0])

@@ -65,37 +65,19 @@ def program_buffers(ep) -> list[str]:
     An exported program (torch.export's training IR) keeps its state updates as in-place ops, so
     its signature's `buffers_to_mutate` is empty until it is functionalized: a buffer is written
     where an op's schema says it writes an argument (`Tensor(a!)`) that is, or is a view of, the
-    buffer's placeholder."""
+    buffer's placeholder. Both are read, as a program may hold both kinds: a program whose
+    signature named only some of its state would leave the rest to be streamed, and the reference
+    refuses (rightly) to write a streamed copy (torch 2.11 on the GPU machine, 2026-12-07: the
+    tiny cuda build's `conv_state[:B].mul_(keep)`)."""
     from torch.export.graph_signature import InputKind
 
     sig = ep.graph_signature
-    if sig.buffers_to_mutate:
-        return sorted(set(sig.buffers_to_mutate.values()))
     buffers = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.BUFFER and s.target}
-    written: set[str] = set()
-    for node in ep.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            for arg in value if isinstance(value, (list, tuple)) else [value]:
-                root = _viewed(arg)
-                if root is not None and root.name in buffers:
-                    written.add(buffers[root.name])
+    from cudabuild.backend.streamed_eager import written_roots
+
+    written = set(sig.buffers_to_mutate.values())
+    written.update(buffers[root.name] for root in written_roots(ep.graph) if root.name in buffers)
     return sorted(written)
-
-
-def _viewed(node):
-    """The node a chain of views starts from (a view's schema aliases its result to its first argument)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
-            break
-        node = node.args[0]
-    return node if isinstance(node, torch.fx.Node) else None
 
 
 def eager_steps(ep, steps: list, device: str, temperature_input: int) -> tuple[list, dict]:

@@ -48,13 +48,20 @@ class StreamedProgram:
 
         self.device = torch.device(device)
         self.gm = ep.module()  # its parameters and buffers are the program's own tensors, not copies
-        self.resident = sorted(set(resident))
+        # The graph's own writes are resident whatever `resident` says: a write lands in the tensor
+        # the module holds, never in a copy (a program's signature may name only part of its state).
+        writes = {root.target for root in written_roots(self.gm.graph) if root.op == "get_attr"}
+        self.resident = sorted(set(resident) | writes)
         if self.device.type != "cpu":
             point_graph_at_device(self.gm, self.device)
             for fqn in self.resident:
                 owner, _, name = fqn.rpartition(".")
                 module = self.gm.get_submodule(owner) if owner else self.gm
-                module.register_buffer(name, getattr(module, name).to(self.device))
+                moved = getattr(module, name).to(self.device)
+                if name in module._buffers:
+                    module.register_buffer(name, moved, persistent=name not in module._non_persistent_buffers_set)
+                else:  # a lifted constant the graph writes: a plain attribute of the module
+                    setattr(module, name, moved)
         # What is streamed: every tensor the module holds but the resident state. On the CPU the
         # tensors are already where the ops run; `copy_on_cpu` copies them per op anyway, which is
         # how the CPU tests watch the streaming (what is copied, and how much of it is alive at once).
@@ -87,6 +94,45 @@ class StreamedProgram:
         return {fqn: held[fqn].detach().cpu() for fqn in names if fqn in held}
 
 
+def written_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes whose tensors the graph writes in place: where an op's schema says it writes an
+    argument (`Tensor(a!)`), the node that argument is, or is a chain of views of (a view's schema
+    aliases its result to its first argument): a placeholder or a get_attr for a program's state."""
+    roots = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for arg in value if isinstance(value, (list, tuple)) else [value]:
+                root = _viewed(arg)
+                if root is not None:
+                    roots.add(root)
+    return roots
+
+
+def _viewed(node):
+    """The node a chain of views starts from."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
+            break
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """The bytes a copy of `t` moves: its storage's, or for a wrapper subclass (no storage of its
+    own), its inner tensors'."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        return sum(_storage_bytes(getattr(t, name)) for name in flatten()[0])
+    return t.untyped_storage().nbytes() if t.numel() else 0
+
+
 class _Streaming(torch.fx.Interpreter):
     def __init__(self, program: StreamedProgram, capture: Optional[torch.fx.Node]):
         super().__init__(program.gm)
@@ -114,8 +160,10 @@ class _Streaming(torch.fx.Interpreter):
             return t  # an activation, or resident state
         if not program.copies:
             return t
-        copy = t.to(program.device, copy=True)
-        nbytes = t.untyped_storage().nbytes() if t.numel() else 0
+        # A quantized weight is a tensor subclass (torchao's), whose `to` takes no `copy=`: a move
+        # to another device copies anyway, and a forced copy on the CPU is a clone.
+        copy = t.to(program.device) if t.device != program.device else t.clone()
+        nbytes = _storage_bytes(t)
         copies[id(copy)] = nbytes
         program._note_copy(copy, nbytes)
         return copy
