@@ -64,6 +64,7 @@ class WarmStages:
 def run_stage(payload: dict) -> dict:
     from cudabuild.config import load_config
     from cudabuild.engine.store import Store
+    from cudabuild.engine.warm_server import picklable
     from cudabuild.errors import CudabuildError
 
     taken = trace.now_us()
@@ -80,18 +81,7 @@ def run_stage(payload: dict) -> dict:
         runner.recorder.complete("configure", taken, trace.now_us())
         status = frames.on_fresh_chunk(runner.execute_here, Stage(*payload["stage"]))  # as a build's own process lays them out
     except CudabuildError as e:
-        return {"error": _picklable(e), "events": runner.recorder.take_own() if runner is not None else []}
+        # The error, or one with its message where its class cannot be rebuilt from its args.
+        return {"error": picklable(e, CudabuildError(str(e))),
+                "events": runner.recorder.take_own() if runner is not None else []}
     return {"status": status, "events": runner.recorder.take_own()}
-
-
-def _picklable(error):
-    """The error, or one with its message where its class cannot be rebuilt from its args."""
-    import pickle
-
-    from cudabuild.errors import CudabuildError
-
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return CudabuildError(str(error))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from cudabuild.errors import InvalidOption
+from cudabuild.errors import InvalidOption, InvalidRemote
 from cudabuild.engine.stamp import all_stamps
 from cudabuild.engine.store import Store
 
@@ -297,6 +297,36 @@ def enforce_limit(store: Store, project: os.PathLike | str) -> Optional[GcReport
     if store.size() <= limit:
         return None
     return gc(store, Path(project), max_bytes=limit, beside=False)
+
+
+# -- gc of the shared tier ------------------------------------------------------------------------
+
+
+def gc_remote(max_size: Optional[str], keep_days: float, dry_run: bool = False) -> list[str]:
+    """`cudabuild cache gc --remote`: the tier the environment names, its blobs bounded to
+    --max-size (cudabuild.engine.tiers.s3.gc); the lines that say what it did."""
+    from cudabuild.engine.tiers import factory
+    from cudabuild.engine.tiers.base import BLOBS_ENV, REMOTE_ENV
+    from cudabuild.engine.tiers.s3 import gc as s3_gc
+
+    if not max_size:
+        raise InvalidRemote("cache gc --remote needs --max-size SIZE (what the object store's blobs may take)")
+    tier = factory.from_env()
+    if tier is None:
+        raise InvalidRemote(f"cache gc --remote needs the shared tier: set {REMOTE_ENV} (and {BLOBS_ENV})")
+    return remote_gc_lines(s3_gc.gc_remote(tier, parse_size(max_size, "--max-size"), keep_days, dry_run=dry_run))
+
+
+def remote_gc_lines(report) -> list[str]:
+    """What a gc of the shared tier did (a tiers.s3.gc.RemoteGcReport), in words."""
+    out = [f"remote {report.where}: {plural(report.blobs, 'blob')}, {format_bytes(report.before)}; "
+           f"{'would evict' if report.dry_run else 'evicted'} {plural(len(report.evicted), 'blob')} "
+           f"({format_bytes(report.evicted_bytes)}), {'then' if report.dry_run else 'now'} {format_bytes(report.after)} "
+           f"of {format_bytes(report.limit)}"]
+    if report.after > report.limit:
+        out.append(f"still over the limit: {plural(report.pinned, 'blob')} named by records younger than the kept "
+                   f"days and {plural(report.recent, 'blob')} used in the last hour are never evicted")
+    return out
 
 
 # -- verify --------------------------------------------------------------------------------------
