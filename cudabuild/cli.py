@@ -207,7 +207,7 @@ def cmd_report(args) -> int:
         raise UsageError(f"report takes model=NAME and optionally target=T, got '{' '.join(args.settings)}'")
     store = Store()
     try:
-        builds = report.history(store.build_log(), settings["model"], settings.get("target"), args.last)
+        builds = report.history(store.actions.build_log(), settings["model"], settings.get("target"), args.last)
     finally:
         store.close()
     if not builds:

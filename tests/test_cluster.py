@@ -172,7 +172,7 @@ def test_a_cluster_needs_a_reachable_scheduler_and_a_shared_tier(server, tmp_pat
     assert f"cannot reach the Dask scheduler at {unreachable}" in runs["no scheduler"].stderr
     assert "give cluster=ADDRESS too" in runs["resources alone"].stderr
     store = Store(proj.cache)
-    assert not (proj.root / "build").exists() and not list(store.records())  # nothing built, nothing cached
+    assert not (proj.root / "build").exists() and not list(store.actions.records())  # nothing built, nothing cached
     store.close()
 
 

@@ -265,7 +265,7 @@ def test_fresh_machine_builds_from_redis_records_and_s3_blobs(built_tiny, server
     assert seed(built_tiny, factory.from_env(tiers)) == len(STAGES)
     r = server.client()
     assert not r.keys("cudabuild:chunk:*") and not r.keys("cudabuild:blob:*")  # blobs went to S3, records to Redis
-    assert len(r.keys("cudabuild:rec:*")) == len(STAGES) + 1  # and what the recipe declares (Store.SHARED_DOCS)
+    assert len(r.keys("cudabuild:rec:*")) == len(STAGES) + 1  # and what the recipe declares (action_cache.SHARED_DOCS)
     stored = {k[len("blobs/"):] for k in s3_server.keys(blobs) if k.startswith("blobs/")}
     assert set(built_tiny.manifest()["outputs"].values()) <= stored
 

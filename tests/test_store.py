@@ -33,7 +33,7 @@ def local_only(monkeypatch):
 
 
 def _flip_a_byte(store: Store, sha: str) -> None:
-    path = store.blob_path(sha)
+    path = store.objects.blob_path(sha)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
@@ -43,13 +43,13 @@ def test_corrupt_blob_is_dropped_and_reported_in_one_line(tmp_path):
     store = Store(tmp_path / "cache")
     try:
         for copy_to in (None, tmp_path / "out" / "model.pte"):
-            sha = store.put_bytes(b"a blob that will not survive " + os.urandom(64))
+            sha = store.objects.put_bytes(b"a blob that will not survive " + os.urandom(64))
             _flip_a_byte(store, sha)
             with pytest.raises(CorruptBlob) as raised:
-                store.read_bytes(sha) if copy_to is None else store.fetch(sha, copy_to)
+                store.objects.read_bytes(sha) if copy_to is None else store.objects.fetch(sha, copy_to)
             for_name = "" if copy_to is None else " for model.pte"
             assert str(raised.value) == f"cached blob {sha[:12]}{for_name} failed its sha256 check; dropped, it will be rebuilt"
-            assert not store.has_blob(sha)
+            assert not store.objects.has_blob(sha)
         assert list((tmp_path / "out").iterdir()) == [], "a corrupt copy is never put in place, nor its temporary file left"
     finally:
         store.close()
@@ -62,9 +62,10 @@ import json, sys
 from cudabuild.engine.store import Store
 store = Store(sys.argv[1])
 key, how = sys.argv[2], sys.argv[3]
-read = {"find_record": lambda: store.find_record(key)[0], "peek_record": lambda: store.peek_record(key),
-        "records": lambda: dict(store.records()).get(key)}[how]
-print(json.dumps({"first": read(), "again": read(), "rows": sorted(e.key for e in store.entries("rec:"))}))
+read = {"lookup": lambda: store.actions.lookup(key, take=True)[0], "look": lambda: store.actions.lookup(key)[0],
+        "local_record": lambda: store.actions.local_record(key),
+        "records": lambda: dict(store.actions.records()).get(key)}[how]
+print(json.dumps({"first": read(), "again": read(), "rows": sorted(e.key for e in store.table.entries("rec:"))}))
 """
 
 
@@ -77,22 +78,22 @@ def read_in_a_build(root, key: str, how: str) -> tuple[dict, list[str]]:
     return json.loads(done.stdout), [line for line in done.stderr.splitlines() if line.startswith("cudabuild: warning:")]
 
 
-@pytest.mark.parametrize("how", ["find_record", "peek_record", "records"])
+@pytest.mark.parametrize("how", ["lookup", "look", "local_record", "records"])
 @pytest.mark.parametrize("damage", ["no-digest", "output-outside-build", "not-json"])
 def test_damaged_local_record_is_warned_about_once_dropped_and_a_miss(tmp_path, how, damage):
     root = tmp_path / "cache"
     store = Store(root)
     try:
-        sha = store.put_bytes(b"program bytes")
+        sha = store.objects.put_bytes(b"program bytes")
         good = {"stage": "export.decode", "digest": "d" * 64, "outputs": {"program.json": sha}, "finals": []}
-        store.put_record("intact", good)
+        store.actions.put_record("intact", good)
         key = "a1b2c3d4e5f6a7b8c9d0"
         if damage == "no-digest":
-            store.put_record(key, {k: v for k, v in good.items() if k != "digest"})
+            store.actions.put_record(key, {k: v for k, v in good.items() if k != "digest"})
         elif damage == "output-outside-build":
-            store.put_record(key, dict(good, outputs={"../../escape": sha}))
+            store.actions.put_record(key, dict(good, outputs={"../../escape": sha}))
         else:
-            store.cache.set("rec:" + key, '{"stage": "export.decode", "outp')  # a torn or hand-edited row
+            store.table.cache.set("rec:" + key, '{"stage": "export.decode", "outp')  # a torn or hand-edited row
     finally:
         store.close()
 
@@ -103,9 +104,9 @@ def test_damaged_local_record_is_warned_about_once_dropped_and_a_miss(tmp_path, 
 
     store = Store(root)
     try:
-        record, source = store.find_record("intact")
+        record, source = store.actions.lookup("intact", take=True)
         assert source == "local" and {k: record[k] for k in good} == good
-        assert [k for k, _ in store.records()] == ["intact"]
+        assert [k for k, _ in store.actions.records()] == ["intact"]
     finally:
         store.close()
 
@@ -116,8 +117,8 @@ def test_build_runs_the_stage_whose_record_is_damaged_instead_of_failing(built_t
     key = tiny_copy.stamp("package")["key"]
     store = Store(tiny_copy.cache)
     try:
-        record = store.peek_record(key)
-        store.put_record(key, {k: v for k, v in record.items() if k != "digest"})
+        record = store.actions.local_record(key)
+        store.actions.put_record(key, {k: v for k, v in record.items() if k != "digest"})
     finally:
         store.close()
     shutil.rmtree(tiny_copy.root / "build")
@@ -143,11 +144,11 @@ def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server
     monkeypatch.setenv(base.REMOTE_ENV, server.url)
     store = Store(tmp_path / "cache")
     try:
-        assert not store.has_blob(sha)
-        assert store.fetch(sha, tmp_path / "out.bin").read_bytes() == data
-        assert store.has_blob(sha)
+        assert not store.objects.has_blob(sha)
+        assert store.objects.fetch(sha, tmp_path / "out.bin").read_bytes() == data
+        assert store.objects.has_blob(sha)
         with pytest.raises(MissingBlob):
-            store.fetch("0" * 64, tmp_path / "absent.bin")  # in neither tier
+            store.objects.fetch("0" * 64, tmp_path / "absent.bin")  # in neither tier
         assert list((tmp_path / "cache" / "incoming").iterdir()) == []
     finally:
         store.close()
@@ -157,9 +158,8 @@ def _s3_store(root, url, monkeypatch) -> tuple[Store, list]:
     """A store whose shared tier is the S3 bucket at `url` (through the proxy's AWS_ENDPOINT_URL),
     its warnings collected."""
     monkeypatch.setenv(base.REMOTE_ENV, url)
-    store, warnings = Store(root), []
-    store.remote = factory.from_env(warn=warnings.append)
-    return store, warnings
+    warnings = []
+    return Store(root, remote=factory.from_env(warn=warnings.append)), warnings
 
 
 def test_a_push_that_fails_is_tried_again_and_one_that_cannot_says_why(s3_env, proxy, tmp_path, monkeypatch):  # noqa: F811
@@ -169,25 +169,25 @@ def test_a_push_that_fails_is_tried_again_and_one_that_cannot_says_why(s3_env, p
     url = s3_env.url("publish")
     store, warnings = _s3_store(tmp_path / "cache", url, monkeypatch)
     try:
-        blob = store.put_bytes(os.urandom(1 << 20))
+        blob = store.objects.put_bytes(os.urandom(1 << 20))
         record = {"stage": "export.decode", "digest": "d", "outputs": {"program.json": blob}}
         proxy.drop_next(3)  # every attempt of the first call: the first push fails
-        assert store.publish("k" * 64, record) is None
+        assert store.actions.publish("k" * 64, record) is None
         assert proxy.faults_done["dropped"] == 3
         reader, _ = _s3_store(tmp_path / "reader", url, monkeypatch)
         try:
             assert reader.remote.get_record("k" * 64)["outputs"] == record["outputs"]
-            assert reader.fetch(blob, tmp_path / "out").read_bytes() == store.read_bytes(blob)
+            assert reader.objects.fetch(blob, tmp_path / "out").read_bytes() == store.objects.read_bytes(blob)
         finally:
             reader.close()
 
         proxy.down = True  # every call fails, until the tier is given up
-        other = store.put_bytes(os.urandom(1 << 20))
-        why = store.publish("j" * 64, dict(record, outputs={"program.json": other}))
+        other = store.objects.put_bytes(os.urandom(1 << 20))
+        why = store.actions.publish("j" * 64, dict(record, outputs={"program.json": other}))
         # Tried again until the tier was given up (its calls count the failures: FAILURES_TO_GIVE_UP).
         assert re.fullmatch(rf"the upload of blob {other[:12]} failed; tried [23] times", why), why
         assert not store.remote.writable and "continuing with the local cache only" in warnings[-1], warnings
-        assert store.publish("i" * 64, record) == ("it takes no writes from this process (read-only, or given up or "
+        assert store.actions.publish("i" * 64, record) == ("it takes no writes from this process (read-only, or given up or "
                                                    "refused a write earlier: see its warning)")
     finally:
         store.close()
@@ -228,7 +228,7 @@ def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env
                                                          r"to the shared tier .* so the driver cannot restore it; fix the "
                                                          r"tier \(its warning says what failed\) and build again$"):
                     store_result()
-            assert store.peek_record(key) is not None  # this cache keeps it either way
+            assert store.actions.local_record(key) is not None  # this cache keeps it either way
     finally:
         store.close()
 
@@ -242,8 +242,8 @@ def tiny_disk(tmp_path):
 def test_reads_of_an_open_store_on_a_disk_that_filled_up_fail_in_one_line_and_lose_nothing(tiny_disk):
     store = Store(tiny_disk / "cache")
     try:
-        sha = store.put_bytes(b"weights" * 1000)
-        store.put_json("recipe:tiny", {"methods": ["decode"]})
+        sha = store.objects.put_bytes(b"weights" * 1000)
+        store.actions.put_json("recipe:tiny", {"methods": ["decode"]})
         source = tiny_disk / "recipe.py"
         source.write_text("x = 1\n")
         digest = store.hasher(source)
@@ -256,12 +256,12 @@ def test_reads_of_an_open_store_on_a_disk_that_filled_up_fail_in_one_line_and_lo
         # The file-hash memo is an optimisation: unreadable, it is a miss, and the file is hashed.
         assert store.hasher(source) == digest
         with pytest.raises(CacheUnwritable, match=f"cannot write to the cache at {tiny_disk / 'cache'} while reading blob {sha[:12]}: its disk is full"):
-            store.read_bytes(sha)
+            store.objects.read_bytes(sha)
         with pytest.raises(CacheUnwritable, match="while reading the recipe document: its disk is full"):
-            store.get_json("recipe:tiny")
+            store.actions.get_json("recipe:tiny")
 
         filler.unlink()
-        assert store.read_bytes(sha) == b"weights" * 1000
-        assert store.get_json("recipe:tiny") == {"methods": ["decode"]}
+        assert store.objects.read_bytes(sha) == b"weights" * 1000
+        assert store.actions.get_json("recipe:tiny") == {"methods": ["decode"]}
     finally:
         store.close()

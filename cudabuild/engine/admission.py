@@ -149,7 +149,7 @@ def weights_bytes(runner, stage: Stage) -> int:
     for upstream in runner.pipeline.dependencies(stage, runner.config):
         stamp = runner.read_stamp(upstream)
         if stamp is not None:
-            largest = max(largest, runner.store.logical_bytes(set(stamp.outputs.values())))
+            largest = max(largest, runner.store.objects.logical_bytes(set(stamp.outputs.values())))
     return largest
 
 

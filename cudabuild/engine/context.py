@@ -71,13 +71,13 @@ class StageContext:
         return self.runner.output_path(Stage(kind, method), name)
 
     def blob_file(self, kind: str, method: Optional[str], name: str):
-        """A context manager: a file of an upstream output's bytes for the block (Store.blob_file):
+        """A context manager: a file of an upstream output's bytes for the block (ObjectStore.blob_file):
         for a reader that needs a path once, without leaving a copy of a blob kept as spans."""
         return self.runner.output_file(Stage(kind, method), name)
 
     def reader(self, kind: str, method: Optional[str]) -> Callable[[str], Path]:
         """`blob_path` of one upstream stage's outputs by name, with `.sha(name)` their sha256 and
-        `.mapped(name)` what Store.mapped_parts says of them."""
+        `.mapped(name)` what ObjectStore.mapped_parts says of them."""
         read = functools.partial(self.blob_path, kind, method)
         read.sha = lambda name: self.upstream(kind, method).outputs[name]
         # An output kept as ranges of other blobs: its (manifest, files), to map rather than materialize.
@@ -96,8 +96,8 @@ class StageContext:
 
     def holds(self, sha: str, length: int) -> bool:
         """Whether the store holds these bytes already (their sha256 and length), so that a file
-        this stage writes may leave them out as a hole (Store.put_file's digested regions)."""
-        return self.runner.store.holds(sha, length)
+        this stage writes may leave them out as a hole (ObjectStore.put_file's digested regions)."""
+        return self.runner.store.objects.holds(sha, length)
 
     # -- what a stage reads beside its upstream outputs: never the store itself --------------------
 
@@ -132,8 +132,8 @@ class StageContext:
 
     def document(self, name: str) -> Optional[dict]:
         """A small JSON document of the cache (`tune:<key>`: a compile's tuning decisions), or None."""
-        return self.runner.store.get_json(name)
+        return self.runner.store.actions.get_json(name)
 
     def keep_document(self, name: str, value: dict) -> None:
         """Keep a small JSON document in the cache (and the shared tier, for the kinds it shares)."""
-        self.runner.store.put_json(name, value)
+        self.runner.store.actions.put_json(name, value)

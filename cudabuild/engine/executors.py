@@ -130,7 +130,7 @@ def key_lock(store, key: str):
 def run_here(job: Job) -> Iterator[Made]:
     """The stage function in this process, in a fresh work directory, once admitted; the work
     directory stays for the block, while the caller stores what it made."""
-    with job.store.work_folder(job.stage.id) as work:
+    with job.store.objects.work_folder(job.stage.id) as work:
         ctx = job.context(work)
         with terminal.capture(job.log) if job.log is not None else contextlib.nullcontext():
             # The stage's module, and what it imports at its top, loads before the stage waits
@@ -184,7 +184,7 @@ class InProcess:
             lease = remote.try_lease(key) if remote is not None else None
             # Look after claiming: the holder may have published and let go since our last look.
             # Only look: taking the record (and saying which tier it came from) is the runner's.
-            if job.look and store.locate_record(key)[0] is not None:
+            if job.look and store.actions.lookup(key)[0] is not None:
                 if lease is not None:
                     lease.release()
                 return None

@@ -28,7 +28,7 @@ def expected_seconds(runner, stage: Stage) -> Optional[float]:
 def logged_rows(runner, stage: Stage) -> Iterator[dict]:
     """The stage's rows in the logged builds of this model and target, newest first."""
     config = runner.config
-    for entry in reversed(runner.store.build_log(last=LOGGED_BUILDS)):
+    for entry in reversed(runner.store.actions.build_log(last=LOGGED_BUILDS)):
         if (entry.get("model"), entry.get("target")) == (config.model, config.target):
             yield from (row for row in entry.get("stages", [])
                         if (row.get("stage"), row.get("method")) == (stage.kind, stage.method))

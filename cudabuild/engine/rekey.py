@@ -19,7 +19,7 @@ def rekey(runner, stage: Stage) -> bool:
     key = digest(inputs)
     if key == stamp.key:
         return False
-    runner.store.put_record(key, {"stage": stage.id, "digest": stamp.digest, "outputs": stamp.outputs,
+    runner.store.actions.put_record(key, {"stage": stage.id, "digest": stamp.digest, "outputs": stamp.outputs,
                                   "finals": stamp.finals, "value": stamp.value, "seconds": stamp.seconds})
     runner.write_stamp(stage, stamp.replace(key=key, inputs=inputs))
     return True

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -150,8 +151,8 @@ class Runner:
 
         `read` gives upstream results (default: the stamps in build/; explain passes predicted
         ones, which may be Pending: then the verdict is `wait`). `find(key) -> (record, tier)` looks
-        the key up in the store (a build uses Store.find_record, explain the side-effect-free
-        Store.locate_record); without it the store is not consulted and a restorable stage reads
+        the key up in the action cache (a build takes what it finds: ActionCache.lookup with
+        take; explain only looks); without it the store is not consulted and a restorable stage reads
         as `run`, which is what doit's up-to-date check wants (the restore happens in execute).
         """
         inputs = self.inputs(stage, read)
@@ -207,7 +208,7 @@ class Runner:
         return status
 
     def _execute(self, stage: Stage, span: dict) -> str:
-        decision = self.decide(stage, find=self.store.find_record)
+        decision = self.decide(stage, find=functools.partial(self.store.actions.lookup, take=True))
         span["key"] = decision.key
         if decision.verdict == "cached":
             return self._note(stage, "cached")
@@ -256,7 +257,7 @@ class Runner:
         span.update(outcome.span)
         if outcome.stamped:
             return outcome.status
-        record, tier = self.store.find_record(outcome.key)
+        record, tier = self.store.actions.lookup(outcome.key, take=True)
         status = self.restore(stage, job.key, job.inputs, record, tier) if record is not None else None
         if status is None and outcome.status:
             where = self.store.remote.where if self.store.remote is not None else "none"
@@ -287,15 +288,15 @@ class Runner:
         """Serve a record found for the key in tier `source`: restored (from this cache), remote (the
         record or a final output came from the shared tier), or None when its blobs turn out unusable."""
         finals = record.get("finals", [])
-        if not all(self.store.has_blob(record["outputs"][name]) for name in finals):
+        if not all(self.store.objects.has_blob(record["outputs"][name]) for name in finals):
             source = "remote"
         try:
             for name in finals:
-                self.store.fetch(record["outputs"][name], self.config.build_dir / name)
+                self.store.objects.fetch(record["outputs"][name], self.config.build_dir / name)
                 self.store.hasher.remember(self.config.build_dir / name, record["outputs"][name])
         except (CorruptBlob, MissingBlob) as e:
             terminal.warn(str(e))
-            self.store.drop_record(key)
+            self.store.actions.drop_record(key)
             return None
         status = "remote" if source == "remote" else "restored"
         self.write_stamp(stage, Stamp(
@@ -327,7 +328,7 @@ class Runner:
         with trace.phase("store writes"):
             # A work file is moved into the cache, not copied (a weights bundle of tens of GB is
             # never on the disk twice); a final output stays, for build/ (below).
-            outputs = {name: self.store.put_file(path, result.known.get(name), result.regions.get(name),
+            outputs = {name: self.store.objects.put_file(path, result.known.get(name), result.regions.get(name),
                                                  take=name not in finals)
                        for name, path in sorted(result.files.items())}
             outputs.update(self._stored(stage, result.stored))
@@ -340,7 +341,7 @@ class Runner:
             # of the weights is then on the disk once, in build/.
             move_or_copy(result.files[name], self.config.build_dir / name)
             self.store.hasher.remember(self.config.build_dir / name, outputs[name])
-        self.store.put_record(key, record)
+        self.store.actions.put_record(key, record)
         self.write_stamp(stage, Stamp(
             key=key, inputs=inputs, digest=stage_digest, outputs=outputs, finals=finals, value=result.value,
             status="ran", seconds=seconds, run=self.run_id, reason=why, peak_rss=peak_rss, written_bytes=written_bytes,
@@ -348,7 +349,7 @@ class Runner:
         ))
         if self.store.remote is not None and (self.store.remote.writable or self.publish_required):
             with trace.phase("upload"):
-                why = self.store.publish(key, record)  # write-back to the shared tier: blobs, then the record
+                why = self.store.actions.publish(key, record)  # write-back to the shared tier: blobs, then the record
             if why is not None:
                 self._not_published(stage, key, why)
 
@@ -366,21 +367,21 @@ class Runner:
 
     def keep_file(self, path: Path, sha: Optional[str] = None, regions: Optional[list] = None) -> str:
         """A running stage's file stored now (StageContext.keep); the work folder no longer holds it."""
-        sha = self.store.put_file(path, sha, regions, take=True)
+        sha = self.store.objects.put_file(path, sha, regions, take=True)
         Path(path).unlink(missing_ok=True)  # kept as ranges of other blobs: not taken
         return sha
 
     def _stored(self, stage: Stage, stored: dict[str, str]) -> dict[str, str]:
         """Outputs handed on from upstream unchanged: blobs this cache holds, or the shared tier
         does (on a cluster's worker whose upstream stage ran on another worker, the blob is there
-        only; Store.push then leaves it where it is). One that is in neither (found corrupt and
+        only; ActionCache.push then leaves it where it is). One that is in neither (found corrupt and
         dropped since its producer stored it: a stage that hands a compiled .so on never reads it)
         has its producer run again, as a bad blob a stage reads does (_serve); the stage may hand
         on what that makes only when it is the same bytes, since what else the stage made was made
         with the old ones."""
         remote = self.store.remote
         in_remote = lambda shas: remote is not None and remote.has_blobs(shas)  # noqa: E731
-        missing = sorted(name for name, sha in stored.items() if not self.store.has_blob(sha))
+        missing = sorted(name for name, sha in stored.items() if not self.store.objects.has_blob(sha))
         if not missing or in_remote([stored[name] for name in missing]):  # one question for them all
             return dict(stored)
         where = f"the cache at {self.store.root}" + (f" or the shared tier {remote.where}" if remote is not None else "")
@@ -393,7 +394,7 @@ class Runner:
                 raise CudabuildError(f"stage {stage.id} handed on {name}, which is no longer in {where}")
             self._rebuild(producer[0])
             again = self._sha_of(*producer)
-            if again != sha or not self.store.has_blob(sha):
+            if again != sha or not self.store.objects.has_blob(sha):
                 raise CudabuildError(f"stage {stage.id} handed on {name} of {producer[0].id}, which was no longer in "
                                      f"{where}; made again, it is other bytes ({again[:12]}, not {sha[:12]}): build "
                                      "again, and the stage runs on the new one")
@@ -415,7 +416,7 @@ class Runner:
         output is fetched and checked again on the next read."""
         stamp = self.read_stamp(stage)
         if stamp:
-            self.store.drop_record(stamp.key)
+            self.store.actions.drop_record(stamp.key)
         self.stamp_path(stage).unlink(missing_ok=True)
         inputs = self.inputs(stage)
         key = digest(inputs)
@@ -434,13 +435,13 @@ class Runner:
             return take(self._sha_of(stage, name))
 
     def read_output(self, stage: Stage, name: str) -> bytes:
-        return self._serve(stage, name, self.store.read_bytes)
+        return self._serve(stage, name, self.store.objects.read_bytes)
 
     def fetch_output(self, stage: Stage, name: str, dest: Path) -> Path:
-        return self._serve(stage, name, lambda sha: self.store.fetch(sha, dest))
+        return self._serve(stage, name, lambda sha: self.store.objects.fetch(sha, dest))
 
     def output_path(self, stage: Stage, name: str) -> Path:
-        return self._serve(stage, name, self.store.verified_path)
+        return self._serve(stage, name, self.store.objects.verified_path)
 
     def _producer_of(self, consumer: Stage, sha: str) -> Optional[tuple[Stage, str]]:
         """(the upstream stage of `consumer` that recorded an output with this sha256, its name), or None."""
@@ -460,16 +461,16 @@ class Runner:
 
     @contextlib.contextmanager
     def output_file(self, stage: Stage, name: str):
-        """A private file of an upstream output for the block (Store.blob_file), its producer run
+        """A private file of an upstream output for the block (ObjectStore.blob_file), its producer run
         again where the blob is bad, as `_serve` does."""
         with contextlib.ExitStack() as stack:
             try:
-                path = stack.enter_context(self.store.blob_file(self._sha_of(stage, name), for_name=name))
+                path = stack.enter_context(self.store.objects.blob_file(self._sha_of(stage, name), for_name=name))
             except (CorruptBlob, MissingBlob) as e:
                 terminal.warn(str(e))
                 self._rebuild(stage)
-                path = stack.enter_context(self.store.blob_file(self._sha_of(stage, name), for_name=name))
+                path = stack.enter_context(self.store.objects.blob_file(self._sha_of(stage, name), for_name=name))
             yield path
 
     def mapped_output(self, stage: Stage, name: str):
-        return self._serve(stage, name, self.store.mapped_parts)
+        return self._serve(stage, name, self.store.objects.mapped_parts)

@@ -13,12 +13,12 @@ found, and whose glue is small, becomes a manifest of a few hundred bytes a tens
 
 Reading: `SpanReader` gives a manifest's bytes as a file, streamed (restoring into build/,
 uploading to a shared tier, hashing) or read at random (a torch.save archive's members); a reader that must map a path gets the bytes materialized once beside the store
-(Store.verified_path), a file gc may delete at any time. Every read is checked against the
+(ObjectStore.verified_path), a file gc may delete at any time. Every read is checked against the
 blob's sha256, as a plain blob's is, so a range whose source changed or went missing is never
 served: the blob reads as missing and its producer runs again.
 
 Owns the manifest format, finding regions and planning a manifest, and its one reader. Must not
-touch diskcache (cudabuild.engine.store holds the entries) or anything above the engine.
+touch diskcache (cudabuild.engine.object_store holds the entries) or anything above the engine.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def region_digests(path, regions: Iterable[tuple[int, int]]) -> list[tuple[int, 
 def digested_regions(path, regions: Iterable[tuple]) -> list[tuple[int, int, str]]:
     """region_digests of `regions`, where a region its producer hashed already comes as
     (offset, length, sha256 or ZEROS) and is taken as it is, not read (it may be a hole: see
-    Store.put_file); in offset order, overlapping ones and those past the file's end left out."""
+    ObjectStore.put_file); in offset order, overlapping ones and those past the file's end left out."""
     regions = list(regions)
     given = {(r[0], r[1]): r[2] for r in regions if len(r) == 3}
     read = region_digests(path, [(r[0], r[1]) for r in regions if len(r) == 2]) if len(given) < len(regions) else []
