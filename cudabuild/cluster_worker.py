@@ -82,7 +82,7 @@ def _runner(payload: dict, workspace: Path) -> tuple[Runner, Stage]:
     for stage_id, data in payload["upstream"].items():
         stamp = Stamp.from_json(data)
         if stamp is not None:
-            stamp.save(runner.stamp_path(_stage_of(stage_id)))
+            stamp.save(runner.stamps.path(_stage_of(stage_id)))
     decision = runner.decide(stage)
     if decision.key != payload["key"]:
         why = explain_reason(payload["inputs"], decision.inputs, config.pipeline)

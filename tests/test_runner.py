@@ -84,7 +84,7 @@ def test_a_spec_change_runs_that_methods_compile_and_waits_on_predicted_results(
     # package on the blob's.
     from cudabuild.engine.graph import Pending, Result
 
-    predicted = lambda s: Result(Pending(s.id)) if s.id in ("compile.decode", "blob.decode") else runner.read_result(s)
+    predicted = lambda s: Result(Pending(s.id)) if s.id in ("compile.decode", "blob.decode") else runner.stamps.result(s)
     waiting = runner.decide(Stage("blob", "decode"), read=predicted, find=runner.store.actions.lookup)
     assert waiting.verdict == "wait" and waiting.waits == {"compile.decode"} and waiting.key is None
     waiting = runner.decide(Stage("package"), read=predicted, find=runner.store.actions.lookup)
@@ -94,7 +94,7 @@ def test_a_spec_change_runs_that_methods_compile_and_waits_on_predicted_results(
 def test_a_damaged_stamp_reads_as_absent_and_the_stage_is_restored(runner_for):
     make, project = runner_for
     runner = make()
-    path = runner.stamp_path(Stage("edge", "decode"))
+    path = runner.stamps.path(Stage("edge", "decode"))
     path.write_text(json.dumps({"key": "k", "inputs": {}}))  # no digest, no outputs: not a stamp
     assert Stamp.load(path) is None
     decision = runner.decide(Stage("edge", "decode"), find=runner.store.actions.lookup)
@@ -124,7 +124,7 @@ def test_a_corrupt_upstream_blob_is_rebuilt_through_the_builds_executor(runner_f
     runner = make()
     verify, export = Stage("verify", "decode"), Stage("export", "decode")
     runner.store.actions.drop_record(runner.read_stamp(verify).key)
-    runner.stamp_path(verify).unlink()
+    runner.stamps.path(verify).unlink()
     damaged = runner.store.objects.blob_path(runner.read_stamp(export).outputs["inputs.pt"])
     damaged.write_bytes(b"\0" * damaged.stat().st_size)
     jobs = []

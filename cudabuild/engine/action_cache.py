@@ -19,8 +19,12 @@ and the blobs it names are present (here, or for `lookup` in the tier); a damage
 about, dropped, and read as a miss, so its stage runs again.
 
 With $CUDABUILD_REMOTE set, `push` and `publish` write a new record back to the shared tier, its
-blobs first. Owns records, documents and the build log, and their write-back. Must not touch: the
-blobs' bytes (the object store's), the decision (runner.py), or stamps.
+blobs first. `restore` and `store` move a record's outputs between the cache and a build directory:
+its final outputs into build/ on the way out, a stage's files in (then its record) on the way in.
+
+Owns records, documents and the build log, restoring and storing what a record names, and the
+write-back. Must not touch: the blobs' bytes (the object store's), the decision or the stamps
+(runner.py), or how a stage runs (executors.py).
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ import hashlib
 import json
 import os
 import time
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
-from cudabuild.errors import MissingBlob
-from cudabuild.engine.console import terminal
+from cudabuild.errors import CorruptBlob, CudabuildError, MissingBlob
+from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.diskcache_rows import Table
+from cudabuild.engine.files import move_or_copy
+from cudabuild.engine.hashing import digest
 from cudabuild.engine.object_store import ObjectStore
 from cudabuild.engine.records import well_formed
 
@@ -126,7 +133,73 @@ class ActionCache:
             terminal.warn(f"cached record {key[:12]}{of} in {self.root} {damage}; dropped, its stage will run again")
         return None
 
+    # -- restore and store: a record's outputs in and out of a build directory ------------------
+
+    def restore(self, key: str, record: dict, build_dir: Path) -> Optional[str]:
+        """Put a record's final outputs in `build_dir`, each blob checked on its way (fetched from
+        the shared tier where this cache lacks it; a file there the memo knows as that blob already,
+        one a warm process just stored, is left as it is): "local", or "remote" when a final output
+        came from the tier. None when a blob turns out unusable: warned about, and the record dropped
+        (its stage runs again)."""
+        finals = record.get("finals", [])
+        source = "local" if all(self.objects.has_blob(record["outputs"][name]) for name in finals) else "remote"
+        try:
+            for name in finals:
+                sha = record["outputs"][name]
+                if self.objects.hasher.remembered(build_dir / name) != sha:
+                    self.objects.fetch(sha, build_dir / name)
+                    self.objects.hasher.remember(build_dir / name, sha)
+        except (CorruptBlob, MissingBlob) as e:
+            terminal.warn(str(e))
+            self.drop_record(key)
+            return None
+        return source
+
+    def store(self, key: str, stage: str, result, finals: list[str], build_dir: Path, started: float,
+              handed_on: Callable[[dict], dict]) -> dict:
+        """What the stage `stage` made (a StageResult) kept under `key`: its files into the object
+        store (moved in, but for its final outputs `finals`, which then move to `build_dir`), the
+        outputs it handed on unchanged checked (`handed_on`: StageIO.handed_on), then its record,
+        which it returns (its `seconds` counted from `started`, time.monotonic(), to now). Called
+        while the stage's work folder still holds its files."""
+        with trace.phase("store writes"):
+            # A work file is moved into the cache, not copied (a weights bundle of tens of GB is
+            # never on the disk twice); a final output stays, for build/ (below).
+            outputs = {name: self.objects.put_file(path, result.known.get(name), result.regions.get(name),
+                                                   take=name not in finals)
+                       for name, path in sorted(result.files.items())}
+            outputs.update(handed_on(result.stored))
+        seconds = round(time.monotonic() - started, 3)
+        record = {"stage": stage, "digest": result.digest or digest(outputs), "outputs": outputs, "finals": finals,
+                  "value": result.value, "seconds": seconds}
+        for name in finals:
+            # Moved where it can be (the work folder goes next): the .ptd the cache keeps as ranges
+            # of the weights is then on the disk once, in build/.
+            move_or_copy(result.files[name], build_dir / name)
+            self.objects.hasher.remember(build_dir / name, outputs[name])
+        self.put_record(key, record)
+        return record
+
     # -- write-back to the shared tier ----------------------------------------------------------
+
+    def write_back(self, stage: str, key: str, record: dict, required: bool = False) -> None:
+        """A record just stored, published to the shared tier (when there is one that takes writes,
+        or `required`), and said where it happens when the tier did not take it: where it had to (a
+        cluster's worker, whose driver restores it from there), CudabuildError; else a warning (this
+        cache keeps it; other machines build it themselves)."""
+        if self.remote is None or not (self.remote.writable or required):
+            return
+        with trace.phase("upload"):
+            why = self.publish(key, record)  # blobs, then the record
+        if why is None:
+            return
+        where = self.remote.where
+        if required:
+            raise CudabuildError(f"stage {stage}: its result {key[:12]} was not written to the shared tier {where} "
+                                 f"({why}), so the driver cannot restore it; fix the tier (its warning says what "
+                                 "failed) and build again")
+        terminal.warn(f"stage {stage}: its result {key[:12]} was not written to the shared tier {where} ({why}); "
+                      "this cache keeps it, other machines will build it themselves")
 
     def push(self, key: str, record: dict, tier=None) -> bool:
         """Write a record back to the remote tier (`tier`, default self.remote): every blob it names

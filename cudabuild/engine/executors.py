@@ -2,8 +2,9 @@
 cluster's worker.
 
 The runner decides (cudabuild.engine.runner: cached -> restorable -> run) and hands a stage that
-must run to its build's executor as a `Job`: what to run and with what, nothing of the runner
-(Bazel's Spawn). `with executor.run(job) as outcome:` runs it and gives its `Outcome`:
+must run to its build's executor as a `Job`: what to run and with what, as data, nothing of the
+runner (Bazel's Spawn): the stage's I/O (cudabuild.engine.stage_io.StageIO) and what its admission
+reads (cudabuild.engine.admission.BuildView). `with executor.run(job) as outcome:` runs it and gives its `Outcome`:
 - `Made`: a StageResult made in this process, its files in a work directory until the block ends;
 - `Published`: record K was published elsewhere (by another builder of the key while this one
   waited, by the cache's warm process, or by a cluster's worker).
@@ -35,11 +36,12 @@ import time
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional, Protocol, Union
 
-from cudabuild.engine import memory, room
+from cudabuild.engine import admission, memory, room
 from cudabuild.engine.admission import WAITS
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.graph import Stage
+from cudabuild.engine.stage_io import StageIO
 from cudabuild.errors import CudabuildError
 
 
@@ -51,22 +53,35 @@ class Job:
     stage: Stage
     key: str
     inputs: dict
-    store: object  # the build's Store: its locks folder, and the shared tier the lease is taken on
+    io: StageIO  # its upstream outputs, what it keeps, and what is done about a bad blob
+    build: admission.BuildView  # its build, with the build's stamps and store
     module: str  # the stage function's module (its pipeline row's)
-    context: Callable[[Path], StageContext]  # the stage's context, in a work directory
-    admitted: Callable[[], ContextManager]  # its turn beside the build's other stages (cudabuild.engine.admission)
     log: Optional[Path]  # where its third-party output goes; None: the console
     note: Callable[[str], None] = terminal.note  # the build's own lines (a wait for another builder)
-    # For a process elsewhere: the stage's name in messages (model/target:stage), the upstream
-    # stamps it keys on, the driver's toolchain fingerprint and run id, and what it asks of a worker.
+    # Run inside another stage's run (a producer rewound for its consumer): admitted under its
+    # consumer's admission, since asking again could wait on itself.
+    nested: bool = False
+    # For a process elsewhere: the stage's name in messages (model/target:stage), the driver's
+    # toolchain fingerprint and run id.
     label: str = ""
-    upstream: dict = dataclasses.field(default_factory=dict)
     fingerprint: dict = dataclasses.field(default_factory=dict)
     run_id: str = ""
-    resources: Callable[[], dict] = dict
     # Whether a record another builder published meanwhile is taken (False: build it regardless,
     # because the one found could not be restored).
     look: bool = True
+
+    def context(self, workdir: Path) -> StageContext:
+        """The stage's context, in a work directory."""
+        return StageContext(self.build.config, self.stage, self.inputs, self.key, workdir, self.io, self.note,
+                            self.build.workers)
+
+    def admitted(self) -> ContextManager:
+        """Its turn beside the build's other stages (cudabuild.engine.admission)."""
+        return contextlib.nullcontext() if self.nested else admission.admitted(self.build, self.stage, self.inputs)
+
+    def resources(self) -> dict:
+        """What it asks of a cluster's worker."""
+        return admission.resources(self.build, self.stage, self.inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +128,9 @@ class Executor(Protocol):
 
 
 @contextlib.contextmanager
-def key_lock(store, key: str):
-    """The key's flock in the cache: one builder of a key at a time on this machine."""
-    lock_dir = store.root / "locks"
+def key_lock(root: Path, key: str):
+    """The key's flock in the cache at `root`: one builder of a key at a time on this machine."""
+    lock_dir = root / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / key[:16], "a+") as handle:
         with trace.wait(WAITS["key"], key=key[:12]):
@@ -130,7 +145,7 @@ def key_lock(store, key: str):
 def run_here(job: Job) -> Iterator[Made]:
     """The stage function in this process, in a fresh work directory, once admitted; the work
     directory stays for the block, while the caller stores what it made."""
-    with job.store.objects.work_folder(job.stage.id) as work:
+    with job.io.objects.work_folder(job.stage.id) as work:
         ctx = job.context(work)
         with terminal.capture(job.log) if job.log is not None else contextlib.nullcontext():
             # The stage's module, and what it imports at its top, loads before the stage waits
@@ -142,7 +157,7 @@ def run_here(job: Job) -> Iterator[Made]:
                 with trace.phase("run"), memory.PeakSampler() as sampled, memory.WrittenBytes() as written:
                     # A full disk says so the same way in every stage (inductor's own error wraps
                     # it), and is said before the admission's bookkeeping, on the same disk, fails too.
-                    with room.named(job.stage.id, job.store.root):
+                    with room.named(job.stage.id, job.io.objects.root):
                         result: StageResult = module.run(ctx)
                 # What the stage left behind is collected now, before the next stage (here, or
                 # let in beside) adds its own: after a stage that held much more than it started
@@ -158,7 +173,7 @@ class InProcess:
 
     @contextlib.contextmanager
     def run(self, job: Job) -> Iterator[Outcome]:
-        with key_lock(job.store, job.key):
+        with key_lock(job.io.objects.root, job.key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
             lease = self.claim(job)
@@ -177,14 +192,14 @@ class InProcess:
         appears or the lease goes (released, or lapsed because the holder died), then take the
         record or the lease. After $CUDABUILD_REMOTE_WAIT_SECONDS of waiting, build anyway.
         """
-        store, key = job.store, job.key
-        remote = store.remote
+        actions, key = job.io.actions, job.key
+        remote = actions.remote
         deadline = time.monotonic() + (remote.wait_seconds if remote is not None else 0.0)
         for polls in itertools.count():
             lease = remote.try_lease(key) if remote is not None else None
             # Look after claiming: the holder may have published and let go since our last look.
             # Only look: taking the record (and saying which tier it came from) is the runner's.
-            if job.look and store.actions.lookup(key)[0] is not None:
+            if job.look and actions.lookup(key)[0] is not None:
                 if lease is not None:
                     lease.release()
                 return None
@@ -254,7 +269,7 @@ class ClusterWorker:
         """What the worker published: `ran` when it built the stage, `remote` when it found it
         built already; where it ran, for how long, and why."""
         work = {"stage": [job.stage.kind, job.stage.method], "key": job.key, "inputs": job.inputs,
-                "upstream": job.upstream, "fingerprint": job.fingerprint, "run": job.run_id}
+                "upstream": job.io.upstream_stamps(), "fingerprint": job.fingerprint, "run": job.run_id}
         outcome = self.hand_off(job.label, work, job.resources())
         worker = outcome.get("worker") or {}
         on = f"{worker.get('host')}:{worker.get('pid')}"

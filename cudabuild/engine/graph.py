@@ -238,6 +238,18 @@ class Pipeline:
                 Stage(kind, stage.method if scope == "m" else None)]
         return out
 
+    def checkpoint_digest(self, config: Build, hasher, folder=None, layout: bool = False) -> Optional[dict]:
+        """The digest of `folder` (default: the build's checkpoint), file by file and, for files
+        this pipeline can split, part by part; None without a folder. With `layout`, those parts by
+        what they are, not what they hold (layout_digests: a tensor's dtype and shape). `hasher`:
+        the cache's file-hash memo (cudabuild.engine.hashing.FileHasher)."""
+        folder = Path(folder).expanduser().resolve() if folder else config.checkpoint
+        if not folder:
+            return None
+        if layout:
+            return hasher.tree(folder, parts=self.layout_digests, tag="layout")
+        return hasher.tree(folder, parts=self.content_digests)
+
     def final_outputs(self, stage: Stage) -> bool:
         return self.row(stage).final_outputs
 
