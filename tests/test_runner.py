@@ -176,3 +176,44 @@ def test_a_handed_on_output_found_bad_is_made_again_by_its_producer(runner_for, 
     assert runner.statuses["compile.decode"] == "ran" and runner.read_stamp(compiled).outputs["model.so"] == so
     assert runner.store.objects.verify_blob(so)  # made again, whole: a CPU compile gives the same bytes
     assert runner.store.actions.local_record(key)["outputs"]["model.so"] == so
+
+
+def test_a_stage_that_lost_an_input_where_it_ran_has_its_producer_rewound_and_runs_again(runner_for):
+    """A stage handed to another process (the warm process, a cluster's worker: cudabuild.engine.far_end)
+    that found an upstream blob bad there gives LostInput back, since it cannot run the producer
+    itself: the runner rewinds the producer through its executor, then decides and runs the stage
+    again. A second loss of the same producer is the stage's error."""
+    from cudabuild.engine import executors
+    from cudabuild.engine.stage_io import LostInput
+
+    make, _ = runner_for
+    verify, export = Stage("verify", "decode"), Stage("export", "decode")
+    for losses in (1, 2):
+        runner = make()
+        runner.store.actions.drop_record(runner.read_stamp(verify).key)
+        runner.stamps.path(verify).unlink()
+        jobs = []
+
+        class Elsewhere:
+            """The build's executor, losing verify's input from export `losses` times."""
+
+            logs_here = True
+            left = losses
+
+            def run(self, job):
+                jobs.append(job.stage.id)
+                if job.stage == verify and self.left:
+                    self.left -= 1
+                    raise LostInput("export", "decode", "cached blob 0123456789ab failed its sha256 check")
+                return executors.InProcess().run(job)
+
+        runner.executor = Elsewhere()
+        if losses == 1:
+            assert runner.execute(verify) == "ran"
+            assert jobs == ["verify.decode", "export.decode", "verify.decode"]
+            assert runner.read_stamp(export).status == "ran" and runner.statuses["export.decode"] == "ran"
+            assert runner.read_stamp(verify).status == "ran"
+        else:
+            with pytest.raises(LostInput, match="^cached blob 0123456789ab failed its sha256 check$"):
+                runner.execute(verify)
+            assert jobs == ["verify.decode", "export.decode", "verify.decode"]

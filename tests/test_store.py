@@ -195,8 +195,10 @@ def test_a_push_that_fails_is_tried_again_and_one_that_cannot_says_why(s3_env, p
 
 def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env, proxy, project, tmp_path, monkeypatch,
                                                                           capfd):  # noqa: F811
-    """store_result says it at once (a warning; on a cluster's worker, whose driver restores from
-    the tier, the stage fails) instead of the driver's later "not in the shared tier"."""
+    """A result stored and not taken by the shared tier is said at once (ActionCache.write_back:
+    a warning from store_result; on a cluster's worker, whose driver restores from the tier and
+    which requires the write-back, the stage fails) instead of the driver's later "not in the
+    shared tier"."""
     from cudabuild.config import load_config
     from cudabuild.engine.console import terminal
     from cudabuild.engine.context import StageResult
@@ -211,12 +213,11 @@ def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env
         proxy.down = True
         for required in (False, True):
             (tmp_path / "program.json").write_text("{}")  # the store takes it in
-            runner = Runner(config, store, run_id="test", publish_required=required)
+            runner = Runner(config, store, run_id="test")
             stage, key = Stage("export", "decode"), ("r" if required else "w") * 64
-            store_result = lambda: runner.store_result(stage, key, {}, StageResult({"program.json": tmp_path / "program.json"}),  # noqa: E731
-                                                       started=0.0, why=None, peak_rss=None)
+            result = StageResult({"program.json": tmp_path / "program.json"})
             if not required:
-                store_result()
+                runner.store_result(stage, key, {}, result, started=0.0, why=None, peak_rss=None)
                 said = [line for line in capfd.readouterr().err.splitlines() if "export.decode" in line]
                 blob = runner.read_stamp(stage).outputs["program.json"]
                 assert len(said) == 1 and re.fullmatch(
@@ -224,10 +225,12 @@ def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env
                     rf"tier {re.escape(store.remote.where)} \(the upload of blob {blob[:12]} failed; tried [23] times\); "
                     "this cache keeps it, other machines will build it themselves", said[0]), said
             else:
+                # What a cluster's worker stores (cudabuild.engine.far_end.run, its write-back required).
+                record = store.actions.store(key, stage.id, result, False, config.build_dir, 0.0, runner.io(stage).handed_on)
                 with pytest.raises(CudabuildError, match=rf"^stage export.decode: its result {key[:12]} was not written "
                                                          r"to the shared tier .* so the driver cannot restore it; fix the "
                                                          r"tier \(its warning says what failed\) and build again$"):
-                    store_result()
+                    store.actions.write_back(stage.id, key, record, required=True)
             assert store.actions.local_record(key) is not None  # this cache keeps it either way
     finally:
         store.close()

@@ -155,13 +155,14 @@ class ActionCache:
             return None
         return source
 
-    def store(self, key: str, stage: str, result, finals: list[str], build_dir: Path, started: float,
+    def store(self, key: str, stage: str, result, final: bool, build_dir: Path, started: float,
               handed_on: Callable[[dict], dict]) -> dict:
         """What the stage `stage` made (a StageResult) kept under `key`: its files into the object
-        store (moved in, but for its final outputs `finals`, which then move to `build_dir`), the
+        store (moved in, but for final outputs, `final`, which then move to `build_dir`), the
         outputs it handed on unchanged checked (`handed_on`: StageIO.handed_on), then its record,
         which it returns (its `seconds` counted from `started`, time.monotonic(), to now). Called
         while the stage's work folder still holds its files."""
+        finals = sorted(result.files) if final else []
         with trace.phase("store writes"):
             # A work file is moved into the cache, not copied (a weights bundle of tens of GB is
             # never on the disk twice); a final output stays, for build/ (below).

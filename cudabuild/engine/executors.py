@@ -4,7 +4,8 @@ cluster's worker.
 The runner decides (cudabuild.engine.runner: cached -> restorable -> run) and hands a stage that
 must run to its build's executor as a `Job`: what to run and with what, as data, nothing of the
 runner (Bazel's Spawn): the stage's I/O (cudabuild.engine.stage_io.StageIO) and what its admission
-reads (cudabuild.engine.admission.BuildView). `with executor.run(job) as outcome:` runs it and gives its `Outcome`:
+reads (cudabuild.engine.admission.BuildView). `with executor.run(job) as outcome:` runs it and
+gives its `Outcome`:
 - `Made`: a StageResult made in this process, its files in a work directory until the block ends;
 - `Published`: record K was published elsewhere (by another builder of the key while this one
   waited, by the cache's warm process, or by a cluster's worker).
@@ -16,10 +17,12 @@ executor's claim on the key (its lock, its lease) covers the run and the store. 
   beside the build's other stages by memory and device (the job's `admitted`), in a fresh work
   directory with its third-party output in its log.
 - `WarmProcess` hands it to the cache's warm process (cudabuild.warm_stage: a fork or a spare that
-  imported torch already), whose own runner runs it `InProcess` there, stores it in this cache and
-  stamps it in this build/; when none answers, or none can serve, it runs here instead.
-- `ClusterWorker` hands it off to a Dask cluster's worker (cudabuild.engine.cluster), which
-  publishes it to the shared tier, and says where it ran, for how long, and why.
+  imported torch already), which runs it `InProcess` there and stores it in this cache
+  (cudabuild.engine.far_end); when none answers, or none can serve, it runs here instead.
+- `ClusterWorker` hands it off to a Dask cluster's worker (cudabuild.engine.cluster), which runs it
+  the same way and publishes it to the shared tier, and says where it ran and for how long.
+Either far end builds the Job from what it is sent, never a runner; a bad upstream blob there
+comes back as LostInput (cudabuild.engine.stage_io), for the runner to rewind.
 
 Owns those three ways and what goes with them: the key lock, the lease, the work directory.
 Must not touch: the decision, restoring, storing, stamps (runner.py); it is handed no runner.
@@ -41,7 +44,7 @@ from cudabuild.engine.admission import WAITS
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.graph import Stage
-from cudabuild.engine.stage_io import StageIO
+from cudabuild.engine.stage_io import LostInput, StageIO
 from cudabuild.errors import CudabuildError
 
 
@@ -101,17 +104,16 @@ class Published:
 
     `status` is what the publisher did for this build: "ran", or another status of its own ("remote":
     a worker found it built); "" when another builder published it while this one waited (the
-    restore then says restored or remote). `stamped`: the publisher stored it in this cache and
-    wrote its stamp in this build/ (the warm process), so there is nothing to restore.
+    restore then says restored or remote). A run's measures go in the stamp.
     """
 
     key: str
     by: str
     status: str = ""
-    stamped: bool = False
     seconds: float = 0.0
-    reason: Optional[str] = None
     peak_rss: Optional[int] = None
+    written_bytes: Optional[int] = None
+    peak_private: Optional[int] = None
     worker: Optional[dict] = None  # a cluster worker's placement, for the stamp
     span: dict = dataclasses.field(default_factory=dict)  # what joins the stage's span (the warm server's pid)
 
@@ -125,6 +127,11 @@ class Executor(Protocol):
 
     def run(self, job: Job) -> ContextManager[Outcome]:
         """Run the job; its outcome for the block, the executor's claim on the key held until it ends."""
+
+
+def log_path(build_dir: Path, stage: Stage) -> Path:
+    """Where a stage's third-party output goes when it is captured: build/<model>/<target>/logs/."""
+    return build_dir / "logs" / f"{stage.id}.log"
 
 
 @contextlib.contextmanager
@@ -216,10 +223,10 @@ class InProcess:
 
 @dataclasses.dataclass
 class WarmProcess:
-    """In the cache's warm process. `call(stage)` asks it (cudabuild.warm_stage.WarmStages) and
+    """In the cache's warm process. `call(job)` asks it (cudabuild.warm_stage.WarmStages) and
     gives back its outcome; `here` runs what it cannot serve."""
 
-    call: Optional[Callable[[Stage], dict]]
+    call: Optional[Callable[[Job], dict]]
     here: InProcess = dataclasses.field(default_factory=InProcess)
     logs_here = True
 
@@ -233,7 +240,7 @@ class WarmProcess:
         if self.call is not None:
             asked = trace.now_us()
             try:
-                outcome = self.call(job.stage)
+                outcome = self.call(job)
             except WarmNotRunning:  # none up, and this build does not start one: run here, no warning
                 pass
             except WarmUnavailable as e:
@@ -250,8 +257,10 @@ class WarmProcess:
         if (recorder := trace.recording()) is not None:
             recorder.adopt(outcome.get("events") or [])
         if outcome.get("error") is not None:
-            raise outcome["error"]
-        yield Published(job.key, f"the warm process ({outcome.get('server')})", status=outcome["status"], stamped=True,
+            raise outcome["error"]  # a LostInput among them: the runner rewinds
+        yield Published(job.key, f"the warm process ({outcome.get('server')})", status=outcome["status"],
+                        seconds=outcome.get("seconds") or 0.0, peak_rss=outcome.get("peak_rss"),
+                        written_bytes=outcome.get("written_bytes"), peak_private=outcome.get("peak_private"),
                         span={"warm": outcome.get("server")})
 
 
@@ -267,7 +276,7 @@ class ClusterWorker:
     @contextlib.contextmanager
     def run(self, job: Job) -> Iterator[Outcome]:
         """What the worker published: `ran` when it built the stage, `remote` when it found it
-        built already; where it ran, for how long, and why."""
+        built already; where it ran, and for how long. LostInput where an upstream blob was bad there."""
         work = {"stage": [job.stage.kind, job.stage.method], "key": job.key, "inputs": job.inputs,
                 "upstream": job.io.upstream_stamps(), "fingerprint": job.fingerprint, "run": job.run_id}
         outcome = self.hand_off(job.label, work, job.resources())
@@ -279,8 +288,9 @@ class ClusterWorker:
                                  str(worker.get("host")), int(worker.get("pid") or 0))
         if outcome.get("status") == "failed":
             raise CudabuildError(f"on worker {worker.get('name')} ({on}): {outcome['error']}")
+        if outcome.get("status") == "lost":
+            raise LostInput(*outcome["producer"], outcome["error"])
         ran = outcome.get("status") == "ran"
         yield Published(job.key, f"on worker {worker.get('name')} ({on})", status="ran" if ran else "remote",
                         seconds=float(outcome.get("seconds") or 0.0) if ran else 0.0,
-                        reason=outcome.get("reason") if ran else None,
                         peak_rss=outcome.get("peak_rss") if ran else None, worker=worker or None)

@@ -48,6 +48,12 @@ class Stage:
     def id(self) -> str:
         return f"{self.kind}.{self.method}" if self.method else self.kind
 
+    @classmethod
+    def parse(cls, stage_id: str) -> "Stage":
+        """The stage an id names ("compile.decode", "package")."""
+        kind, _, method = stage_id.partition(".")
+        return cls(kind, method or None)
+
 
 class Pending(str):
     """A result known only after `stage` has run (a str so it fits in inputs; equal to no real value).

@@ -22,7 +22,9 @@ the same for a build, doit's up-to-date check and `cudabuild explain`:
 
 An upstream output that was needed but turns out corrupt or missing makes its producer run again
 through the same executor (`rewind`, what Bazel calls rewinding), never served: the stage's I/O
-calls `rewind` while the stage runs.
+calls `rewind` while the stage runs here; a stage run in another process (a warm process, a
+cluster's worker: cudabuild.engine.far_end) gives LostInput back instead, and its producer is
+rewound, then the stage decided and run again (once per producer).
 
 Owns the decision, settling an outcome (what to restore or store, and the stamp), and rewinding.
 Must not touch: how a stage runs (executors.py), what it reads (stage_io.py), what the cache keeps
@@ -47,7 +49,7 @@ from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write_text
 from cudabuild.engine.graph import Build, Pipeline, ResultReader, Stage, pending_in
 from cudabuild.engine.hashing import digest
-from cudabuild.engine.stage_io import StageIO
+from cudabuild.engine.stage_io import LostInput, StageIO
 from cudabuild.engine.stamp import Stamp, Stamps
 from cudabuild.engine.store import Store
 
@@ -86,18 +88,14 @@ class Runner:
     # How a stage that must run is run: here (the default), in the cache's warm process, or on a
     # cluster's worker (cudabuild.engine.executors).
     executor: executors.Executor = field(default_factory=executors.InProcess)
-    # Whether what a stage stores must reach the shared tier (a cluster's worker: its driver
-    # restores it from there), so a write-back that fails fails the stage.
-    publish_required: bool = False
-    # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use, or
-    # handed in (a cluster's worker keys on its driver's, cudabuild.cluster_worker).
+    # The cheap toolchain fingerprint probe is keyed on: this machine's, computed on first use.
     _fingerprint: Optional[dict] = None
     _recorder: Optional[trace.Recorder] = None
     _started_in: int = field(default_factory=os.getpid)
     _startup_recorded: bool = False
 
     def __post_init__(self):
-        self.stamps = Stamps(self.config.build_dir, f"{self.config.model}/{self.config.target}")
+        self.stamps = Stamps.of(self.config)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -175,7 +173,7 @@ class Runner:
             self.recorder.complete("startup", trace.process_start_us(), trace.now_us(), "build")
 
     def log_path(self, stage: Stage) -> Path:
-        return self.config.build_dir / "logs" / f"{stage.id}.log"
+        return executors.log_path(self.config.build_dir, stage)
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -190,6 +188,10 @@ class Runner:
         return status
 
     def _execute(self, stage: Stage, span: dict) -> str:
+        return self._rewinding(lambda: self._climb(stage, span))
+
+    def _climb(self, stage: Stage, span: dict) -> str:
+        """The ladder for a stage, and what its verdict asks done."""
         decision = self.decide(stage, find=functools.partial(self.store.actions.lookup, take=True))
         span["key"] = decision.key
         if decision.verdict == "cached":
@@ -201,12 +203,6 @@ class Runner:
                 return self._note(stage, status)
         why = explain_reason(decision.old.inputs if decision.old else None, decision.inputs, self.pipeline)
         return self._note(stage, self._run(self._job(stage, decision.key, decision.inputs), why, span))
-
-    def execute_here(self, stage: Stage) -> str:
-        """execute() without a stage span of its own: for a process that runs a stage for another,
-        whose span covers it (cudabuild.warm_stage)."""
-        with self.recorder.active():
-            return self._execute(stage, {})
 
     def _note(self, stage: Stage, status: str) -> str:
         self.statuses[stage.id] = status
@@ -250,8 +246,6 @@ class Runner:
                               peak_private=outcome.peak_private, io=job.io)
             return "ran"
         span.update(outcome.span)
-        if outcome.stamped:
-            return outcome.status
         record, tier = self.store.actions.lookup(outcome.key, take=True)
         status = self.restore(stage, job.key, job.inputs, record, tier) if record is not None else None
         if status is None and outcome.status:
@@ -264,8 +258,9 @@ class Runner:
         restored = self.stamps.require(stage)
         ran = outcome.status == "ran"
         self.stamps.write(stage, restored.replace(
-            status=outcome.status, seconds=outcome.seconds if ran else 0.0, reason=outcome.reason if ran else None,
-            peak_rss=outcome.peak_rss if ran else None, saved_seconds=None if ran else restored.saved_seconds,
+            status=outcome.status, seconds=outcome.seconds if ran else 0.0, reason=why if ran else None,
+            peak_rss=outcome.peak_rss if ran else None, written_bytes=outcome.written_bytes if ran else None,
+            peak_private=outcome.peak_private if ran else None, saved_seconds=None if ran else restored.saved_seconds,
             worker=outcome.worker))
         return outcome.status
 
@@ -303,15 +298,15 @@ class Runner:
         final outputs into build/ too, the record), then the stamp; then written back to the shared
         tier. Called while the stage's work directory still holds its files. `io`: the stage's I/O
         (default: this build's), which checks what it handed on unchanged."""
-        finals = sorted(result.files) if self.pipeline.final_outputs(stage) else []
-        record = self.store.actions.store(key, stage.id, result, finals, self.config.build_dir, started,
-                                          (io or self.io(stage)).handed_on)
+        record = self.store.actions.store(key, stage.id, result, self.pipeline.final_outputs(stage),
+                                          self.config.build_dir, started, (io or self.io(stage)).handed_on)
         self.stamps.write(stage, Stamp(
-            key=key, inputs=inputs, digest=record["digest"], outputs=record["outputs"], finals=finals, value=result.value,
+            key=key, inputs=inputs, digest=record["digest"], outputs=record["outputs"], finals=record["finals"],
+            value=result.value,
             status="ran", seconds=record["seconds"], run=self.run_id, reason=why, peak_rss=peak_rss,
             written_bytes=written_bytes, peak_private=peak_private,
         ))
-        self.store.actions.write_back(stage.id, key, record, self.publish_required)
+        self.store.actions.write_back(stage.id, key, record)
 
     # -- rewinding -----------------------------------------------------------------------------
 
@@ -324,8 +319,23 @@ class Runner:
         if stamp:
             self.store.actions.drop_record(stamp.key)
         self.stamps.path(stage).unlink(missing_ok=True)
-        inputs = self.inputs(stage)
-        key = digest(inputs)
         self.log(f"{stage.id}: a cached output was missing or corrupt; running it again")
-        status = self._run(self._job(stage, key, inputs, nested=True), "a cached output was missing or corrupt", {})
-        self.statuses[stage.id] = status
+
+        def again() -> str:
+            inputs = self.inputs(stage)
+            return self._run(self._job(stage, digest(inputs), inputs, nested=True), "a cached output was missing or corrupt", {})
+
+        self.statuses[stage.id] = self._rewinding(again)
+
+    def _rewinding(self, attempt: Callable[[], str]) -> str:
+        """attempt(); where a stage run in another process lost an upstream output (LostInput), its
+        producer rewound, then attempt() again: once per producer, the second loss is the error."""
+        rewound: set[Stage] = set()
+        while True:
+            try:
+                return attempt()
+            except LostInput as lost:
+                if lost.producer in rewound:
+                    raise
+                rewound.add(lost.producer)
+                self.rewind(lost.producer)

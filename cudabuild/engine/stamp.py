@@ -93,6 +93,11 @@ class Stamps:
     build_dir: Path
     build: str
 
+    @classmethod
+    def of(cls, config) -> "Stamps":
+        """The stamps of a build (a cudabuild.engine.graph.Build)."""
+        return cls(config.build_dir, f"{config.model}/{config.target}")
+
     def path(self, stage: Stage) -> Path:
         return stamps_dir(self.build_dir) / f"{stage.id}.json"
 
