@@ -14,6 +14,9 @@ A stage that fails comes back as an outcome with its one-line error and its log'
 is not retried (it would fail again). One whose upstream blob was bad here comes back as "lost",
 naming the producer: the driver's runner rewinds it and sends the stage again. A worker that dies
 is the scheduler's to retry.
+
+Owns a worker's workspace, its check of the toolchain and the key, and the outcome it reports.
+Must not touch: a Runner (it builds none), the decision, the driver's stamps.
 """
 
 from __future__ import annotations

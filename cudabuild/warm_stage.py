@@ -14,6 +14,9 @@ events (the caller adopts them as its own: among them the wait from the caller's
 child's taking the call, and the child's reading of the configuration), or the CudabuildError that
 stopped it, which the caller raises as its own (LostInput: an upstream blob was bad, and the
 caller's runner rewinds its producer).
+
+Owns the payload of that call and its answer. Must not touch: a Runner (it builds none), the
+decision, stamps.
 """
 
 from __future__ import annotations

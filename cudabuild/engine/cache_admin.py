@@ -21,6 +21,9 @@ docs and build log are bookkeeping, a few KiB). Reads go through the table's ins
 This module builds on the store (its table, object store and action cache) and none of them
 imports it: what is in use (the pins) is worked out here, above the store, as dvc-data's
 gc(odb, used) has its caller do. Nothing here imports torch.
+
+Owns the cache tools (stats, verify, gc, here and of an S3 tier: `gc_remote`) and the pins. Must
+not touch: how the store keeps an entry (the table, the object store, the action cache say that).
 """
 
 from __future__ import annotations

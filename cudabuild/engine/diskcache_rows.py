@@ -14,7 +14,8 @@ this module only (pyproject.toml pins the diskcache versions it was tested with)
 Why go below the API at all: a public read (`Cache.get`) moves the entry's access_time, which
 least-recently-used eviction orders by, so looking at the store (explain, `cudabuild cache ...`)
 would count as using it; and `Cache.get` cannot tell a missing row from a row whose file is gone.
-Rows here are str-keyed (`raw = 1` in diskcache's terms). Must not touch: what a row means.
+Rows here are str-keyed (`raw = 1` in diskcache's terms). Owns the table and every access below
+diskcache's public API. Must not touch: what a row means.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
 """A stage's stamp: build/<model>/<target>/.stamps/<stage id>.json, what the last run or restore of
 that stage in this build directory recorded.
 
-The one reader and the one writer of stamps (`Stamps`, a build directory's). A stamp holds the stage's action key and the inputs
-that key was computed from (how `explain` names what changed), the stage's semantic digest, its
-outputs' blob hashes (which of them were placed in build/: `finals`), its value, and how and when
-it was brought up to date. Everything else (the runner, explain, the manifest, the cache tools,
-autotune pinning) reads stamps through this class. A stamp that cannot be read (damaged, written
-by an incompatible cudabuild) is treated as absent: its stage is decided again from the store.
+The one reader and the one writer of stamps (`Stamps`: a build directory's). A stamp holds the
+stage's action key and the inputs that key was computed from (how `explain` names what changed),
+the stage's semantic digest, its outputs' blob hashes (which of them were placed in build/:
+`finals`), its value, and how and when it was brought up to date. Everything else (the runner, a
+stage's I/O, explain, the manifest, the cache tools, autotune pinning) reads stamps through these
+classes. A stamp that cannot be read (damaged, written by an incompatible cudabuild) is treated as
+absent: its stage is decided again from the store.
+
+Owns the stamp's format and its file. Must not touch: what a stamp should say (the runner decides
+that), the store.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ last hour (a builder may have uploaded it and not yet published the record that 
 - Redis-held blobs are not this module's business: Redis evicts them itself (maxmemory-policy).
 
 It reads the tier through its own calls (records: Tier.young_records) and the bucket's objects.
-Must not touch: the local store, or anything above the tiers (it imports no cache_admin: the
+Owns what an S3 tier's gc evicts. Must not touch: the local store, or anything above the tiers (it imports no cache_admin: the
 arrow goes down, from the command to the tier).
 """
 
