@@ -225,7 +225,7 @@ def main() -> None:
 
             stored = json.loads((out_dir / "manifest.json").read_text())["outputs"]["aoti_cpu_blob.ptd"]
             store_ = Store(cache)
-            blob_file = store_.blob_path(stored)  # what a restore copies from
+            blob_file = store_.objects.blob_path(stored)  # what a restore copies from
             store_.close()
 
             def settle() -> None:

@@ -93,11 +93,11 @@ def main() -> None:
     else:
         files = {sha for stage, stamp in stamps.items() if stage.startswith("export.")
                  for name, sha in stamp["outputs"].items() if name.startswith("tensor.")}
-        weights = sum((store.spans_of(sha) or {}).get("size") or store.blob_bytes([sha]) for sha in files)
+        weights = sum((store.objects.spans_of(sha) or {}).get("size") or store.objects.blob_bytes([sha]) for sha in files)
         weights_from = "the exported weight files"
     spans = sorted(f"{stage} {name}" for stage, stamp in stamps.items() for name, sha in stamp["outputs"].items()
-                   if store.spans_of(sha) is not None)
-    usage = store.usage()
+                   if store.objects.spans_of(sha) is not None)
+    usage = store.table.usage()
     store.close()
     cache_bytes, build_bytes = du(cache), du(build)
     result = {"model": args.model, "target": args.target, "settings": args.set, "seconds": round(seconds, 1),

@@ -31,7 +31,7 @@ def main(model: str, target: str) -> int:
     package = stamp("package")
     methods = list(package["inputs"]["methods"])
     store = Store()
-    output = lambda stage, name: store.read_bytes(stamp(stage)["outputs"][name])
+    output = lambda stage, name: store.objects.read_bytes(stamp(stage)["outputs"][name])
     start = time.monotonic()
     programs = {m: load_program(lambda name, m=m: output(f"export.{m}", name)) for m in methods}
     compiled = {m: delegate.Compiled(output(f"blob.{m}", "model.so"), output(f"blob.{m}", "weights.blob")) for m in methods}

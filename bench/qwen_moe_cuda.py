@@ -106,7 +106,7 @@ def eager_model(project: Path, cache: Path, options: dict):
     store = Store(cache)
     folder = Path(tempfile.mkdtemp(prefix="bundle-"))
     for name, sha in stamp["outputs"].items():
-        (folder / name).symlink_to(store.verified_path(sha))
+        (folder / name).symlink_to(store.objects.verified_path(sha))
     model = qwen35_moe.load(options, folder)
     _move_to_cuda(model, model.config)
     return model.eval()

@@ -71,7 +71,7 @@ def main() -> None:
         if not stamp.exists():
             continue
         outputs = json.loads(stamp.read_text())["outputs"]
-        reference = torch.load(store.verified_path(outputs["reference.pt"]), weights_only=True)
+        reference = torch.load(store.objects.verified_path(outputs["reference.pt"]), weights_only=True)
         result[method] = summarise(reference, args.tolerance, picks.get(method, []))
     bench.write("qwen_moe_envelope.json", result)
     bench.finish()

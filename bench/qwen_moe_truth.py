@@ -105,7 +105,7 @@ def compiled_run(stamps: dict, store, method: str, steps) -> dict:
     from cudabuild.backend.stages.verify import load_compiled
 
     outputs = stamps[f"compile.{method}"]["outputs"]
-    runner = load_compiled(str(store.verified_path(outputs["model.so"])), str(store.verified_path(outputs["weights.blob"])),
+    runner = load_compiled(str(store.objects.verified_path(outputs["model.so"])), str(store.objects.verified_path(outputs["weights.blob"])),
                            "cuda")
     names = [n for n in runner.extract_constants_map(False) if n.endswith(STATE_SUFFIXES)]
     tokens, states = sampled_logits.compiled_steps(runner, steps, "cuda", names)
@@ -168,7 +168,7 @@ def analyse(project: Path, cache: Path, options: dict, stamps: dict, result: dic
         runs[method]["truth_fp32"]["steps"] = steps
         runs[method]["compiled_off"] = compiled_run(stamps, store, method, steps)
         if f"reference.{method}" in stamps:  # the reference stage's own eager states (the exported program)
-            ref = torch.load(store.verified_path(stamps[f"reference.{method}"]["outputs"]["reference.pt"]), weights_only=True)
+            ref = torch.load(store.objects.verified_path(stamps[f"reference.{method}"]["outputs"]["reference.pt"]), weights_only=True)
             runs[method]["reference_stage"] = {"states": {n: s.float() for n, s in ref["states"].items()},
                                                "tokens": [int(t.reshape(-1)[0]) for t, _ in ref["steps"]]}
     for method, named in runs.items():

@@ -207,7 +207,7 @@ def cmd_report(args) -> int:
         raise UsageError(f"report takes model=NAME and optionally target=T, got '{' '.join(args.settings)}'")
     store = Store()
     try:
-        builds = report.history(store.build_log(), settings["model"], settings.get("target"), args.last)
+        builds = report.history(store.actions.build_log(), settings["model"], settings.get("target"), args.last)
     finally:
         store.close()
     if not builds:
@@ -228,9 +228,7 @@ def cmd_cache(args) -> int:
     if args.cache_command is None:
         raise UsageError("cache needs a command: stats, verify or gc (see cudabuild cache --help)")
     if args.cache_command == "gc" and args.remote:
-        from cudabuild.engine.tiers.s3 import gc as remote_gc
-
-        print("\n".join(remote_gc.command(args.max_size, args.keep_days, args.dry_run)))
+        print("\n".join(cache_admin.gc_remote(args.max_size, args.keep_days, args.dry_run)))
         return 0
     if args.cache_command == "gc":
         raw = args.max_size or os.environ.get(MAX_SIZE_ENV, "").strip() or None

@@ -4,13 +4,19 @@
 $CUDABUILD_PROJECT on the worker when that is set, else the driver's path; the same settings),
 in a workspace of its own in the worker's local directory: its cache, and a build/ that only this
 worker writes. The driver's stamps of the stage's upstream stages are placed there, the stage's key
-is computed again and must be the driver's (WorkerMismatch says what differs), and Runner.execute
-brings it up to date: restored when the shared tier has it by now, else built under the tier's
-lease and written back to it, blobs first, then the record. The outcome (status, seconds, why,
-peak memory, where it ran, the trace's spans) goes back to the driver, which restores the record.
+is computed again and must be the driver's (WorkerMismatch says what differs), and the stage's Job
+is built and run there (cudabuild.engine.far_end: no Runner): under the tier's lease, and written
+back to it, blobs first, then the record; a record the tier has by now is taken as it is. The
+outcome (status, seconds, peak memory, where it ran, the trace's spans) goes back to the driver,
+whose runner restores the record and stamps it.
 
 A stage that fails comes back as an outcome with its one-line error and its log's last lines; it
-is not retried (it would fail again). A worker that dies is the scheduler's to retry.
+is not retried (it would fail again). One whose upstream blob was bad here comes back as "lost",
+naming the producer: the driver's runner rewinds it and sends the stage again. A worker that dies
+is the scheduler's to retry.
+
+Owns a worker's workspace, its check of the toolchain and the key, and the outcome it reports.
+Must not touch: a Runner (it builds none), the decision, the driver's stamps.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from pathlib import Path
 
 from cudabuild.backend.toolchain import fingerprint_difference
 from cudabuild.config import load_config
-from cudabuild.engine import cache_admin, cluster, frames
+from cudabuild.engine import cache_admin, cluster, far_end, frames, room
+from cudabuild.engine.console import trace
 from cudabuild.engine.console.progress import failure_lines
+from cudabuild.engine.executors import Job
 from cudabuild.engine.explain import reason as explain_reason
 from cudabuild.engine.graph import Stage
-from cudabuild.engine.runner import Runner
+from cudabuild.engine.hashing import digest
+from cudabuild.engine.stage_io import LostInput
 from cudabuild.engine.stamp import Stamp
 from cudabuild.engine.store import Store
 from cudabuild.errors import ClusterError, CudabuildError, WorkerMismatch, one_line
@@ -49,22 +58,37 @@ def _store(workspace: Path, tier: str) -> Store:
 def run_stage(payload: dict) -> dict:
     """Run one stage the driver decided must run; returns its outcome (see the module's docstring)."""
     with cluster.on_worker(payload["task"], payload["run"]) as (where, workspace):
-        runner = None
+        job = recorder = None
         try:
-            runner, stage = _runner(payload, workspace)
-            status = frames.on_fresh_chunk(runner.execute, stage)  # frames laid out as in a build's own process
+            job = _prepared(payload, workspace)
+            recorder = trace.Recorder(job.build.config.build_dir, payload["run"])
+            done = _run(job, recorder)
+        except LostInput as e:
+            return {"status": "lost", "producer": [e.kind, e.method], "error": str(e), "worker": where,
+                    "events": recorder.take_own() if recorder is not None else []}
         except CudabuildError as e:
-            log = runner.logs.get(Stage(*payload["stage"]).id) if runner is not None else None
-            return {"status": "failed", "error": one_line(e) + failure_lines(log), "worker": where,
-                    "events": runner.recorder.take_own() if runner is not None else []}
+            return {"status": "failed", "error": one_line(e) + failure_lines(job.log if job is not None else None),
+                    "worker": where, "events": recorder.take_own() if recorder is not None else []}
         # This worker's cache under its size limit ($CUDABUILD_CACHE_MAX_SIZE): its build is this stage.
-        cache_admin.enforce_limit(runner.store, runner.config.project)
-        stamp = runner.read_stamp(stage)
-        return {"status": status, "seconds": stamp.seconds, "reason": stamp.reason, "peak_rss": stamp.peak_rss,
-                "worker": where, "events": runner.recorder.take_own(), "run": payload["run"]}
+        cache_admin.enforce_limit(job.build.store, job.build.config.project)
+        return {"status": done["status"] or "remote", "seconds": done.get("seconds", 0.0), "peak_rss": done.get("peak_rss"),
+                "worker": where, "events": recorder.take_own(), "run": payload["run"]}
 
 
-def _runner(payload: dict, workspace: Path) -> tuple[Runner, Stage]:
+def _run(job: Job, recorder: trace.Recorder) -> dict:
+    """The job run here (far_end.run, its write-back required: the driver restores it from the tier),
+    in the stage span and with the full disk's one line a build's own process gives it."""
+    build_dir = job.build.config.build_dir
+    with room.named(job.stage.id, job.build.store.root, build_dir), \
+            recorder.span(job.stage.id, "stage", step="execute") as span:
+        span["key"] = job.key
+        done = frames.on_fresh_chunk(far_end.run, job, True)  # frames laid out as in a build's own process
+        span["status"] = done["status"] or "remote"
+    return done
+
+
+def _prepared(payload: dict, workspace: Path) -> Job:
+    """The stage's Job on this worker, once its toolchain and its key are found to be the driver's."""
     store = _store(workspace, payload["tier"])
     build = payload["build"]
     project = Path(os.environ.get("CUDABUILD_PROJECT") or build["project"]).resolve()
@@ -77,20 +101,15 @@ def _runner(payload: dict, workspace: Path) -> tuple[Runner, Stage]:
     if differs := fingerprint_difference(ours, payload["fingerprint"]):
         raise WorkerMismatch(stage.id, f"this worker's toolchain is not its driver's ({differs})",
                              "packages and environment")
-    runner = Runner(config, store, payload["run"], capture_output=True, workers=1, publish_required=True,
-                    _fingerprint=payload["fingerprint"], _startup_recorded=True)
+    job = far_end.job(config, store, stage, payload["key"], payload["inputs"], run_id=payload["run"],
+                      fingerprint=payload["fingerprint"])
     for stage_id, data in payload["upstream"].items():
         stamp = Stamp.from_json(data)
         if stamp is not None:
-            stamp.save(runner.stamp_path(_stage_of(stage_id)))
-    decision = runner.decide(stage)
-    if decision.key != payload["key"]:
-        why = explain_reason(payload["inputs"], decision.inputs, config.pipeline)
-        raise WorkerMismatch(stage.id, f"this worker keys it {decision.key[:12]}, its driver {payload['key'][:12]} ({why})",
+            job.io.stamps.write(Stage.parse(stage_id), stamp)
+    inputs = far_end.key_inputs(config, store, stage, payload["fingerprint"], job.io.stamps)
+    if (key := digest(inputs)) != payload["key"]:
+        why = explain_reason(payload["inputs"], inputs, config.pipeline)
+        raise WorkerMismatch(stage.id, f"this worker keys it {key[:12]}, its driver {payload['key'][:12]} ({why})",
                              "project, settings and checkpoint")
-    return runner, stage
-
-
-def _stage_of(stage_id: str) -> Stage:
-    kind, _, method = stage_id.partition(".")
-    return Stage(kind, method or None)
+    return job

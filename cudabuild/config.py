@@ -92,7 +92,7 @@ def _hub_ids(model: str, target: Optional[str], table, given: Mapping[str, str],
         if hub.parse(value) is None:
             continue  # a path: the table's check says whether it is a folder
         try:
-            out[option.name] = str(hub.resolve(value, f"{model} option {option.name}={value}", store))
+            out[option.name] = str(hub.resolve(value, f"{model} option {option.name}={value}", store.actions))
         except CudabuildError as e:
             problems.append(str(e))
             del out[option.name]

@@ -367,7 +367,7 @@ def task_export():
         if building():
             # What killed stages left in the cache's work folders (a SIGKILL, a warm call that did
             # not unwind in time) goes before anything is measured or built.
-            runner.store.sweep_work()
+            runner.store.objects.sweep_work()
         if requested("export") and building():
             check_room(runner)
             admission.device_preflight(runner)
@@ -448,7 +448,7 @@ def task_nightly():
     targets = [t for t in cli.pop("targets", "").split(",") if t] or ["auto"]
     store = Store()
     if building():
-        store.sweep_work()  # what killed stages left (see task_export)
+        store.objects.sweep_work()  # what killed stages left (see task_export)
     pool = None
     try:
         if CLUSTER:

@@ -57,7 +57,7 @@ def fetch_command(repo: str, revision: Optional[str]) -> str:
 def resolve(value: str, what: str, memo=None) -> Path:
     """The snapshot folder `value` (an id: `parse`) names in the Hub's cache, downloaded there first
     where it is not and the Hub answers; HubCheckpointUnavailable (`what`: the setting, as the
-    user wrote it) where it is neither. `memo` (a Store) remembers it for the next build."""
+    user wrote it) where it is neither. `memo` (the cache's ActionCache: a document of it) remembers it for the next build."""
     repo, revision = parse(value)
     try:
         from huggingface_hub import constants  # the library's settings alone: cheap

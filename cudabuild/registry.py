@@ -144,7 +144,7 @@ def describe(project: Path, model: str, store, target: str) -> dict:
     the store by source content."""
     sources = source_digests(project, model, store.hasher)
     memo_key = f"recipe:{model}:" + digest({"v": DESCRIPTION_VERSION, "sources": sources, "target": target})
-    cached = store.get_json(memo_key)
+    cached = store.actions.get_json(memo_key)
     if cached is not None:
         return cached
     recipe = load_recipe(project, model).for_target(target)
@@ -168,7 +168,7 @@ def describe(project: Path, model: str, store, target: str) -> dict:
         "lowering": recipe.lowering.as_data() if recipe.lowering else None,
         "weights_options": list(recipe.weights_options),
     }
-    store.put_json(memo_key, description)
+    store.actions.put_json(memo_key, description)
     return description
 
 
@@ -207,7 +207,7 @@ def resolved_build(project: Path, description: dict, options: dict, store) -> tu
         "v": DESCRIPTION_VERSION, "sources": description["sources"], "target": description["target"], "options": options,
         "folders": {name: folder_digest(options.get(name), store.hasher) for name in folders if options.get(name)},
     })
-    resolved = store.get_json(memo_key)
+    resolved = store.actions.get_json(memo_key)
     if resolved is None:
         recipe = load_recipe(project, model).for_target(description["target"])
         try:
@@ -216,7 +216,7 @@ def resolved_build(project: Path, description: dict, options: dict, store) -> tu
                 resolved["weights_bytes"] = int(recipe.weights_bytes(resolved["options"]))
         except InvalidConfig as e:
             resolved = {"problems": e.problems}
-        store.put_json(memo_key, resolved)
+        store.actions.put_json(memo_key, resolved)
     if "problems" in resolved:
         raise InvalidConfig(resolved["problems"])
     # in the order given, memo or not

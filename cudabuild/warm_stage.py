@@ -1,16 +1,22 @@
 """A stage that must run, run in the cache's warm process (cudabuild.engine.warm): a fork or a spare.
 
 `WarmStages(runner, settings)` is what the build's executor (cudabuild.engine.executors.WarmProcess)
-calls for one build. It hands the warm
-process what configures the same build (the project and the command line's settings) and names
-the stage; `run_stage` runs in the process that serves the call: it loads the build's configuration from the
-project on disk (the child's cudabuild and recipes are read fresh), makes a Runner on the same
-cache and build/ with the caller's run id, toolchain fingerprint and worker count, and brings the
-stage up to date exactly as the caller would have: key lock, lease, admission, run, store, stamp.
-What goes back is the status and the child's timeline events (the caller adopts them as its
-own: among them the wait from the caller's asking to the child's taking the call, and the child's
-reading of the configuration), or the CudabuildError that stopped it, which the caller raises as
-its own.
+calls for one build. It hands the warm process what configures the same build (the project and
+the command line's settings) and the Job the runner decided must run: its stage, key and inputs,
+the run id, toolchain fingerprint and worker count. `run_stage` runs in the process that serves the
+call: it loads the build's configuration from the project on disk (the child's cudabuild and
+recipes are read fresh), builds the stage's Job on the same cache and build/ (cudabuild.engine.far_end:
+its I/O, what its admission reads; no Runner), and runs it as the caller would have: key lock,
+lease, admission, run, then its outputs and record stored in the cache. The caller's runner then
+settles it: restores the record (its final outputs are in build/ already) and writes the stamp.
+What goes back is what the run did (the status, its seconds and measures) and the child's timeline
+events (the caller adopts them as its own: among them the wait from the caller's asking to the
+child's taking the call, and the child's reading of the configuration), or the CudabuildError that
+stopped it, which the caller raises as its own (LostInput: an upstream blob was bad, and the
+caller's runner rewinds its producer).
+
+Owns the payload of that call and its answer. Must not touch: a Runner (it builds none), the
+decision, stamps.
 """
 
 from __future__ import annotations
@@ -44,12 +50,13 @@ class WarmStages:
         # after_build starts one for the next build.
         self.start = runner.workers > 1
 
-    def __call__(self, stage: Stage) -> dict:
+    def __call__(self, job) -> dict:
+        """Run `job` (an executors.Job) in the warm process; what it did there (run_stage's answer)."""
         runner = self.runner
         payload = {"project": str(runner.config.project), "settings": self.settings,
-                   "stage": [stage.kind, stage.method], "run": runner.run_id, "fingerprint": runner.fingerprint(),
-                   "workers": runner.workers, "capture_output": runner.capture_output, "cache": str(runner.store.root),
-                   "asked_us": trace.now_us()}
+                   "stage": [job.stage.kind, job.stage.method], "key": job.key, "inputs": job.inputs, "run": job.run_id,
+                   "fingerprint": job.fingerprint, "workers": runner.workers, "capture_output": job.log is not None,
+                   "cache": str(runner.store.root), "asked_us": trace.now_us()}
         outcome = self.processes.call(FUNCTION, payload, start=self.start)
         outcome["server"] = self.processes.last_server
         return outcome
@@ -63,35 +70,28 @@ class WarmStages:
 
 def run_stage(payload: dict) -> dict:
     from cudabuild.config import load_config
+    from cudabuild.engine import far_end
     from cudabuild.engine.store import Store
+    from cudabuild.engine.warm_server import picklable
     from cudabuild.errors import CudabuildError
 
     taken = trace.now_us()
     store = Store(payload["cache"])
-    runner = None
+    recorder = None
     try:
         config = load_config(Path(payload["project"]), payload["settings"], store)
-        runner = Runner(config, store, payload["run"], capture_output=payload["capture_output"],
-                        workers=payload["workers"], _fingerprint=payload["fingerprint"], _startup_recorded=True)
+        recorder = trace.Recorder(config.build_dir, payload["run"])
         # From the caller's asking to this process's taking the call: the server starting, or a
         # spare or a fork coming free. Then the build's configuration, read again here.
         if payload.get("asked_us"):
-            runner.recorder.complete(WAITS["warm"], payload["asked_us"], taken, "wait", served=True)
-        runner.recorder.complete("configure", taken, trace.now_us())
-        status = frames.on_fresh_chunk(runner.execute_here, Stage(*payload["stage"]))  # as a build's own process lays them out
+            recorder.complete(WAITS["warm"], payload["asked_us"], taken, "wait", served=True)
+        recorder.complete("configure", taken, trace.now_us())
+        job = far_end.job(config, store, Stage(*payload["stage"]), payload["key"], payload["inputs"],
+                          run_id=payload["run"], fingerprint=payload["fingerprint"], workers=payload["workers"],
+                          capture_output=payload["capture_output"])
+        with recorder.active():
+            done = frames.on_fresh_chunk(far_end.run, job)  # as a build's own process lays them out
     except CudabuildError as e:
-        return {"error": _picklable(e), "events": runner.recorder.take_own() if runner is not None else []}
-    return {"status": status, "events": runner.recorder.take_own()}
-
-
-def _picklable(error):
-    """The error, or one with its message where its class cannot be rebuilt from its args."""
-    import pickle
-
-    from cudabuild.errors import CudabuildError
-
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return CudabuildError(str(error))
+        # The error, or one with its message where its class cannot be rebuilt from its args.
+        return {"error": picklable(e, CudabuildError(str(e))), "events": recorder.take_own() if recorder is not None else []}
+    return dict(done, events=recorder.take_own())

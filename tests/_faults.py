@@ -63,9 +63,9 @@ def forget(project: Project, *stage_ids: str, blobs: tuple[str, ...] = ()) -> No
     try:
         for stage_id in stage_ids:
             old = stamp(project, stage_id)
-            store.drop_record(old["key"])
+            store.actions.drop_record(old["key"])
             for name in blobs:
-                store.drop_blob(old["outputs"][name])
+                store.objects.drop_blob(old["outputs"][name])
             (build_dir(project) / ".stamps" / f"{stage_id}.json").unlink()
     finally:
         store.close()
@@ -74,7 +74,7 @@ def forget(project: Project, *stage_ids: str, blobs: tuple[str, ...] = ()) -> No
 def blob_file(project: Project, blob_sha: str) -> Path:
     store = Store(project.cache)
     try:
-        return store.blob_path(blob_sha)
+        return store.objects.blob_path(blob_sha)
     finally:
         store.close()
 
@@ -87,7 +87,7 @@ def orphan_blob_files(project: Project) -> set[Path]:
     """Files in diskcache's directory that no row of its Cache table names."""
     store = Store(project.cache)
     try:
-        return set(diskcache_rows.unnamed_files(store.cache))
+        return set(diskcache_rows.unnamed_files(store.table.cache))
     finally:
         store.close()
 

@@ -3,7 +3,7 @@
 Opt-in only: nothing happens on import; a process that calls `install()` (see _faults.start_export's
 kill_hook=True, which runs doit through `python -c` with this hook installed first) gets diskcache's
 `Disk.store` wrapped so that, the first time a blob (`blob:<sha>`, stored with read=True by
-cudabuild.engine.store.Store.put_file/put_bytes) has been written, right after `Disk.store` returned, the
+cudabuild.engine.object_store.ObjectStore.put_file/put_bytes) has been written, right after `Disk.store` returned, the
 process kills its own process group with SIGKILL.
 
 At that moment diskcache (Cache.set: `self._disk.store(...)`, then the row in a SQLite transaction)

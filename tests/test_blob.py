@@ -70,11 +70,11 @@ def _damage_table(project: Project, method: str, damage) -> None:
     stamp = json.loads(path.read_text())
     store = Store(project.cache)
     try:
-        table = json.loads(store.read_bytes(stamp["outputs"]["constants.json"]))
-        sha = store.put_bytes(damage(table))
-        record = store.get_record(stamp["key"])
+        table = json.loads(store.objects.read_bytes(stamp["outputs"]["constants.json"]))
+        sha = store.objects.put_bytes(damage(table))
+        record = store.actions.lookup(stamp["key"], take=True)[0]
         record["outputs"]["constants.json"] = stamp["outputs"]["constants.json"] = sha
-        store.put_record(stamp["key"], record)
+        store.actions.put_record(stamp["key"], record)
     finally:
         store.close()
     path.write_text(json.dumps(stamp))

@@ -28,7 +28,7 @@ def cache_entries(project) -> set:
 
     store = Store(project.cache)
     try:
-        return {k for k in store.cache.iterkeys() if k.startswith(("blob:", "rec:"))}
+        return {k for k in store.table.cache.iterkeys() if k.startswith(("blob:", "rec:"))}
     finally:
         store.close()
 
@@ -67,9 +67,9 @@ def test_each_distinct_tensor_is_stored_once(built_tiny):
     from cudabuild.engine.store import Store
 
     store = Store(built_tiny.cache)
-    blob = store.read_bytes(outputs["blob.decode"]["weights.blob"])
+    blob = store.objects.read_bytes(outputs["blob.decode"]["weights.blob"])
     # A blob is kept whole or as ranges of the others (cudabuild.engine.spans): either, once.
-    blobs = sum(1 for k in store.cache.iterkeys() if k.startswith(("blob:", "spans:")))
+    blobs = sum(1 for k in store.table.cache.iterkeys() if k.startswith(("blob:", "spans:")))
     store.close()
     distinct = {sha for s in STAGES for sha in outputs[s].values()}
     assert blobs == len(distinct)
@@ -181,7 +181,7 @@ def recorded_stages(project) -> set:
 
     store = Store(project.cache)
     try:
-        return {json.loads(store.cache.get(k))["stage"] for k in store.cache.iterkeys() if k.startswith("rec:")}
+        return {json.loads(store.table.cache.get(k))["stage"] for k in store.table.cache.iterkeys() if k.startswith("rec:")}
     finally:
         store.close()
 

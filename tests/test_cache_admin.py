@@ -72,7 +72,7 @@ def plant(store: Store, count: int, size: int) -> list[str]:
     """Unpinned blobs, least recently used first (access times a little apart)."""
     shas = []
     for _ in range(count):
-        shas.append(store.put_bytes(os.urandom(size)))
+        shas.append(store.objects.put_bytes(os.urandom(size)))
         time.sleep(0.01)
     return shas
 
@@ -83,16 +83,16 @@ def test_gc_evicts_least_recently_used_and_keeps_what_build_references(tmp_path_
     pins = cache_admin.pins(clone.root)
     store = Store(clone.cache)
     try:
-        assert all(pins.holds(e.key) for e in store.entries("blob:")), "a single build pins every blob"
+        assert all(pins.holds(e.key) for e in store.table.entries("blob:")), "a single build pins every blob"
         oldest, middle, newest = plant(store, 3, MiB)
-        store.read_bytes(oldest)  # used again: now the most recently used
-        store.put_record("planted", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
-        limit = store.size() - MiB - MiB // 2
+        store.objects.read_bytes(oldest)  # used again: now the most recently used
+        store.actions.put_record("planted", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
+        limit = store.table.size() - MiB - MiB // 2
         report = cache_admin.gc(store, clone.root, max_bytes=limit)
-        assert (report.evicted_blobs, store.has_blob(middle), store.has_blob(newest), store.has_blob(oldest)) == (2, False, False, True)
-        assert report.dangling_records == 1 and store.peek_record("planted") is None
-        assert store.size() <= limit
-        assert all(store.has_blob(sha) for sha in pins.blobs) and all(store.peek_record(k) for k in pins.keys)
+        assert (report.evicted_blobs, store.objects.has_blob(middle), store.objects.has_blob(newest), store.objects.has_blob(oldest)) == (2, False, False, True)
+        assert report.dangling_records == 1 and store.actions.local_record("planted") is None
+        assert store.table.size() <= limit
+        assert all(store.objects.has_blob(sha) for sha in pins.blobs) and all(store.actions.local_record(k) for k in pins.keys)
     finally:
         store.close()
     # Far below what build/ references: only unpinned entries go, and the build stays a no-op.
@@ -110,21 +110,21 @@ def test_gc_dry_run_changes_nothing_and_reports_what_gc_then_does(tmp_path, monk
     monkeypatch.setenv("CUDABUILD_PROJECT", str(tmp_path / "project"))
     store = Store(tmp_path / "cache")
     try:
-        pinned = store.put_bytes(os.urandom(MiB))
-        store.put_record("pinned", {"stage": "package", "digest": "d", "outputs": {"model.pte": pinned}})
+        pinned = store.objects.put_bytes(os.urandom(MiB))
+        store.actions.put_record("pinned", {"stage": "package", "digest": "d", "outputs": {"model.pte": pinned}})
         stamps = tmp_path / "project" / "build" / "m" / "cpu" / ".stamps"
         stamps.mkdir(parents=True)
         Stamp(key="pinned", inputs={}, digest="d", outputs={"model.pte": pinned}).save(stamps / "package.json")
         oldest, middle, newest = plant(store, 3, MiB)
-        store.put_record("names-middle", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
-        orphan = Path(store.cache.directory) / "0f" / "0f" / "killed-write.val"  # diskcache's layout
+        store.actions.put_record("names-middle", {"stage": "export.x", "digest": "d", "outputs": {"p": middle}})
+        orphan = Path(store.table.cache.directory) / "0f" / "0f" / "killed-write.val"  # diskcache's layout
         orphan.parent.mkdir(parents=True, exist_ok=True)
         orphan.write_bytes(b"x" * 1000)
         os.utime(orphan, (time.time() - 7200, time.time() - 7200))
-        limit = store.size() - MiB - MiB // 2  # two of the three planted blobs must go
+        limit = store.table.size() - MiB - MiB // 2  # two of the three planted blobs must go
 
         def contents():
-            return sorted(store.entries("blob:") + store.entries("rec:")), orphan.exists()
+            return sorted(store.table.entries("blob:") + store.table.entries("rec:")), orphan.exists()
 
         before = contents()
         would = cache_admin.gc(store, tmp_path / "project", max_bytes=limit, dry_run=True)
@@ -136,8 +136,8 @@ def test_gc_dry_run_changes_nothing_and_reports_what_gc_then_does(tmp_path, monk
         did = cache_admin.gc(store, tmp_path / "project", max_bytes=limit)
         assert dataclasses.replace(would, dry_run=False) == did
         assert (did.evicted_blobs, did.evicted_records, did.dangling_records, did.orphan_files) == (2, 0, 1, 1)
-        assert [store.has_blob(sha) for sha in (pinned, oldest, middle, newest)] == [True, False, False, True]
-        assert store.peek_record("names-middle") is None and not orphan.exists() and did.size_after == store.size()
+        assert [store.objects.has_blob(sha) for sha in (pinned, oldest, middle, newest)] == [True, False, False, True]
+        assert store.actions.local_record("names-middle") is None and not orphan.exists() and did.size_after == store.table.size()
     finally:
         store.close()
     assert would.lines()[0].startswith("would evict 2 blobs and 0 records (2.0 MiB), least recently used first; "
@@ -157,19 +157,19 @@ def test_gc_max_age_and_enforce_limit_spare_pinned_entries(tmp_path_factory, tmp
         (planted,) = plant(store, 1, 1000)
         assert cache_admin.gc(store, clone.root, max_age_days=1).evicted_blobs == 0  # used just now
         assert cache_admin.gc(store, clone.root, max_age_days=0).evicted_blobs == 1
-        assert not store.has_blob(planted)
+        assert not store.objects.has_blob(planted)
 
-        pinned_bytes = store.size()
+        pinned_bytes = store.table.size()
         plant(store, 3, MiB)
         monkeypatch.delenv("CUDABUILD_CACHE_MAX_SIZE", raising=False)
-        assert cache_admin.enforce_limit(store, clone.root) is None and store.size() > pinned_bytes + 3 * MiB - 1
+        assert cache_admin.enforce_limit(store, clone.root) is None and store.table.size() > pinned_bytes + 3 * MiB - 1
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", str(pinned_bytes + 2 * MiB))
         report = cache_admin.enforce_limit(store, clone.root)
-        assert report.evicted_blobs == 1 and store.size() <= pinned_bytes + 2 * MiB
+        assert report.evicted_blobs == 1 and store.table.size() <= pinned_bytes + 2 * MiB
         assert cache_admin.enforce_limit(store, clone.root) is None  # under the limit now: nothing to do
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "0")
         cache_admin.enforce_limit(store, clone.root)
-        assert store.size() == pinned_bytes and all(store.has_blob(sha) for sha in pins.blobs)
+        assert store.table.size() == pinned_bytes and all(store.objects.has_blob(sha) for sha in pins.blobs)
         monkeypatch.setenv("CUDABUILD_CACHE_MAX_SIZE", "lots")
         with pytest.raises(InvalidOption, match="^CUDABUILD_CACHE_MAX_SIZE 'lots' is not a size"):
             cache_admin.enforce_limit(store, clone.root)
@@ -185,11 +185,11 @@ def test_verify_drops_a_corrupt_blob_and_the_records_that_named_it(tmp_path_fact
     gone = clone.stamp("compile.prefill")["outputs"]["compile.json"]
     store = Store(clone.cache)
     try:
-        path = store.blob_path(corrupt)
+        path = store.objects.blob_path(corrupt)
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
-        store.blob_path(gone).unlink()
+        store.objects.blob_path(gone).unlink()
     finally:
         store.close()
 
@@ -204,8 +204,8 @@ def test_verify_drops_a_corrupt_blob_and_the_records_that_named_it(tmp_path_fact
 
     store = Store(clone.cache)
     try:
-        assert not store.has_blob(corrupt) and not store.has_blob(gone)
-        assert store.peek_record(edge["key"]) is None
+        assert not store.objects.has_blob(corrupt) and not store.objects.has_blob(gone)
+        assert store.actions.local_record(edge["key"]) is None
     finally:
         store.close()
     again = clone.cudabuild("cache", "verify")
@@ -232,8 +232,8 @@ def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_li
     counts what is left."""
     store = Store(tmp_path / "cache")
     try:
-        blob = store.put_bytes(os.urandom(MiB))
-        store.put_record("k", {"stage": "export.x", "digest": "d", "outputs": {"p": blob}})
+        blob = store.objects.put_bytes(os.urandom(MiB))
+        store.actions.put_record("k", {"stage": "export.x", "digest": "d", "outputs": {"p": blob}})
         kernels = tmp_path / "cache" / "kernels" / "triton"
         ages = {"stale": 10 * 86400, "older": 3600, "newer": 60}
         for name, age in ages.items():
@@ -251,14 +251,14 @@ def test_gc_evicts_compiled_kernels_beside_the_store_by_age_and_first_under_a_li
         assert line in would.lines(), would.lines()
 
         # A limit that the store and one kernel fit under: the older kernel goes, no blob does.
-        limit = store.size() + 80_000 + 1000
+        limit = store.table.size() + 80_000 + 1000
         report = cache_admin.gc(store, project, max_bytes=limit)
         assert report.evicted_beside == {"kernels": (1, 80_000)} and report.evicted_blobs == 0
-        assert [p.name for p in kernels.iterdir()] == ["newer"] and store.has_blob(blob)
+        assert [p.name for p in kernels.iterdir()] == ["newer"] and store.objects.has_blob(blob)
         assert cache_admin.stats(store).folders == {"kernels": (2, 80_000)}
 
         # The limit a build enforces after each stage bounds the store alone: it leaves the kernels.
-        monkeypatch.setenv(cache_admin.MAX_SIZE_ENV, str(store.size() - 1))
+        monkeypatch.setenv(cache_admin.MAX_SIZE_ENV, str(store.table.size() - 1))
         enforced = cache_admin.enforce_limit(store, project)
         assert enforced.evicted_blobs == 1 and enforced.evicted_beside == {}
         assert [p.name for p in kernels.iterdir()] == ["newer"]
@@ -288,7 +288,7 @@ def test_stats_and_gc_agree_on_the_work_folders_killed_stages_left_and_spare_run
         killed = [work / f"compile.decode-{_dead_pid()}-ab12cd34", work / f"export.text-decoder-{_dead_pid()}-x_9"]
         for folder in killed:
             folder.mkdir(parents=True)  # empty, as an interrupted compile leaves its folder
-        with store.work_folder("blob.decode") as running:
+        with store.objects.work_folder("blob.decode") as running:
             (running / "weights.blob").write_bytes(b"x" * 5000)
             lines = cache_admin.stats(store).lines(store.root)
             assert "work/: 2 folders (0 B) that killed stages left behind; the next build or `cudabuild cache gc` " \

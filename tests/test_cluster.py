@@ -172,7 +172,7 @@ def test_a_cluster_needs_a_reachable_scheduler_and_a_shared_tier(server, tmp_pat
     assert f"cannot reach the Dask scheduler at {unreachable}" in runs["no scheduler"].stderr
     assert "give cluster=ADDRESS too" in runs["resources alone"].stderr
     store = Store(proj.cache)
-    assert not (proj.root / "build").exists() and not list(store.records())  # nothing built, nothing cached
+    assert not (proj.root / "build").exists() and not list(store.actions.records())  # nothing built, nothing cached
     store.close()
 
 
@@ -180,7 +180,7 @@ def test_a_worker_refuses_a_stage_it_would_key_differently(built_tiny, server, t
     """cluster_worker: the driver's fingerprint keys the probe, so only what decides a build must agree
     (not a compiler's inode, nor which GPU a worker sees); and the stage's key must be the driver's."""
     from cudabuild.backend.toolchain import cheap_fingerprint, fingerprint_difference
-    from cudabuild.cluster_worker import _runner
+    from cudabuild.cluster_worker import _prepared
     from cudabuild.engine.hashing import digest
     from cudabuild.errors import WorkerMismatch
 
@@ -205,9 +205,9 @@ def test_a_worker_refuses_a_stage_it_would_key_differently(built_tiny, server, t
                "upstream": {d.id: dataclasses.asdict(driver.read_stamp(d)) for d in config.pipeline.dependencies(stage, config)},
                "fingerprint": here, "tier": store.remote.where}
     with pytest.raises(WorkerMismatch, match=r"this worker keys it \w+, its driver \w+ \(spec low_memory_mode: ON -> OFF\)"):
-        _runner(payload, tmp_path / "worker")
+        _prepared(payload, tmp_path / "worker")
     with pytest.raises(WorkerMismatch, match="toolchain is not its driver's .packages.torch"):
-        _runner(dict(payload, fingerprint=elsewhere), tmp_path / "worker")
+        _prepared(dict(payload, fingerprint=elsewhere), tmp_path / "worker")
     store.close()
 
 

@@ -172,7 +172,7 @@ def test_manifest_records_why_each_stage_ran(tmp_path_factory):
     scripted = scripted_builds(tmp_path_factory)
     store = Store(scripted.cache)
     try:
-        spec_build = store.build_log()[-2]  # no-op, spec change, rebuild after rm -rf build
+        spec_build = store.actions.build_log()[-2]  # no-op, spec change, rebuild after rm -rf build
     finally:
         store.close()
     reasons = {f"{s['stage']}.{s['method']}" if s["method"] else s["stage"]: s.get("reason")

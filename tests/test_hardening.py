@@ -40,7 +40,7 @@ def records(project: Project) -> dict[str, str]:
     """{action key: stage} of every record in the project's cache."""
     store = Store(project.cache)
     try:
-        return {key: record["stage"] for key, record in store.records()}
+        return {key: record["stage"] for key, record in store.actions.records()}
     finally:
         store.close()
 
@@ -132,7 +132,7 @@ def test_sigkill_while_a_stage_stores_its_outputs_then_rebuild_matches_a_clean_b
     assert sha(orphan) == key.removeprefix("blob:")
     store = Store(tiny_copy.cache)
     try:
-        assert not store.has_blob(key.removeprefix("blob:"))
+        assert not store.objects.has_blob(key.removeprefix("blob:"))
     finally:
         store.close()
 
@@ -161,7 +161,7 @@ def cache_gc(project: Project) -> str:
 
 
 _PUT = ("import sys; from cudabuild.engine.store import Store; s = Store(sys.argv[1]); print('open', flush=True); input(); "
-        "s.put_file(sys.argv[2], sha=sys.argv[3])")
+        "s.objects.put_file(sys.argv[2], sha=sys.argv[3])")
 
 
 @pytest.mark.parametrize("moment", ["mid-file", "before-commit"])
@@ -213,9 +213,9 @@ def test_sigkill_during_a_cache_write_leaves_no_entry(tmp_path, moment):
     assert sizes(), "the kill came before diskcache wrote anything"
     store = Store(root)
     try:
-        assert not store.has_blob(digest) and not store.entries("blob:")
-        assert store.put_bytes(data) == digest
-        assert store.read_bytes(digest) == data
+        assert not store.objects.has_blob(digest) and not store.table.entries("blob:")
+        assert store.objects.put_bytes(data) == digest
+        assert store.objects.read_bytes(digest) == data
     finally:
         store.close()
 
@@ -233,7 +233,7 @@ def _compile_statuses(project: Project, key: str, last: int) -> list[str]:
     """Statuses of the stage with action `key` in the last builds logged in the project's cache."""
     store = Store(project.cache)
     try:
-        return sorted(s["status"] for entry in store.build_log(last) for s in entry["stages"] if s["key"] == key)
+        return sorted(s["status"] for entry in store.actions.build_log(last) for s in entry["stages"] if s["key"] == key)
     finally:
         store.close()
 
@@ -304,7 +304,7 @@ def test_damaged_blob_is_detected_dropped_and_rebuilt(built_tiny, tiny_copy, dam
             _flip_a_byte(blob_file(tiny_copy, blob))
         else:
             store = Store(tiny_copy.cache)
-            store.drop_blob(blob)
+            store.objects.drop_blob(blob)
             store.close()
         shutil.rmtree(tiny_copy.root / "build")
     else:

@@ -129,7 +129,7 @@ import json, sys
 from cudabuild import hub
 from cudabuild.engine.store import Store
 store = Store({str(cache)!r})
-found = {{value: str(hub.resolve(value, "checkpoint=" + value, store)) for value in sys.argv[1:]}}
+found = {{value: str(hub.resolve(value, "checkpoint=" + value, store.actions)) for value in sys.argv[1:]}}
 print(json.dumps({{"found": found, "downloader": "huggingface_hub.file_download" in sys.modules}}))
 """
     values = [REPO_ID, f"{REPO_ID}@main", f"{REPO_ID}@v1", f"{REPO_ID}@{TAGGED}"]

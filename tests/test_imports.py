@@ -137,6 +137,18 @@ def test_no_storage_tier_imports_the_console_or_knows_inductor():
     assert not reaching, "; ".join(reaching)
 
 
+def test_a_storage_tier_imports_nothing_that_builds_on_it():
+    """The tiers sit below the store and the cache tools: a tier imports its own package, the
+    record check and the hashing it shares, never the stores or cache_admin above it (whose
+    `cache gc --remote` calls down into tiers.s3.gc)."""
+    below = ("cudabuild.engine.tiers", "cudabuild.engine.records", "cudabuild.engine.hashing", "cudabuild.errors",
+             "cudabuild.engine", "cudabuild")
+    reaching = [f"{name} imports {target}" for name, edges in import_graph().items()
+                if name.startswith("cudabuild.engine.tiers") for target in edges
+                if not (target in below or target.startswith("cudabuild.engine.tiers."))]
+    assert not reaching, "; ".join(reaching)
+
+
 def test_a_stage_describes_itself_without_the_runner():
     """Backend stages take a StageContext and return a StageResult (cudabuild.engine.context); the
     runner, which decides and stores, is the engine's."""

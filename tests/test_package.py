@@ -23,7 +23,7 @@ METHODS = ("decode", "prefill")
 def test_signature_of_a_dynamic_prefill(built_tiny):
     store = Store(built_tiny.cache)
     try:
-        summary = json.loads(store.read_bytes(stamp(built_tiny, "export.prefill")["outputs"]["graph.json"]))
+        summary = json.loads(store.objects.read_bytes(stamp(built_tiny, "export.prefill")["outputs"]["graph.json"]))
     finally:
         store.close()
     sig = standin.signature(summary)

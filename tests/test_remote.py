@@ -124,7 +124,7 @@ def forget_locally(project: Project, stage: str) -> str:
     key = stamp_key(project, stage)
     (project.root / "build/tiny_lm/cpu/.stamps" / f"{stage}.json").unlink()
     store = Store(project.cache)
-    store.drop_record(key)
+    store.actions.drop_record(key)
     store.close()
     return key
 
@@ -352,7 +352,7 @@ def test_explain_forecasts_what_redis_would_serve_and_changes_nothing(built_tiny
     # Looking copied nothing: no record reached the fresh local cache, no key was added to Redis.
     store = Store(fresh.cache)
     try:
-        assert list(store.records()) == [] and store.usage().get("blob", (0, 0))[0] == 0
+        assert list(store.actions.records()) == [] and store.table.usage().get("blob", (0, 0))[0] == 0
     finally:
         store.close()
     assert sorted(server.client().keys("*")) == redis_keys

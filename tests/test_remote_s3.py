@@ -265,7 +265,7 @@ def test_fresh_machine_builds_from_redis_records_and_s3_blobs(built_tiny, server
     assert seed(built_tiny, factory.from_env(tiers)) == len(STAGES)
     r = server.client()
     assert not r.keys("cudabuild:chunk:*") and not r.keys("cudabuild:blob:*")  # blobs went to S3, records to Redis
-    assert len(r.keys("cudabuild:rec:*")) == len(STAGES) + 1  # and what the recipe declares (Store.SHARED_DOCS)
+    assert len(r.keys("cudabuild:rec:*")) == len(STAGES) + 1  # and what the recipe declares (action_cache.SHARED_DOCS)
     stored = {k[len("blobs/"):] for k in s3_server.keys(blobs) if k.startswith("blobs/")}
     assert set(built_tiny.manifest()["outputs"].values()) <= stored
 
@@ -350,6 +350,7 @@ def test_unreachable_object_store_means_one_warning_and_a_local_build(built_tiny
 
 
 def test_gc_remote_evicts_least_recently_used_blobs_no_young_record_names(s3_env, tmp_path):
+    from cudabuild.engine.cache_admin import remote_gc_lines
     from cudabuild.engine.tiers.s3.gc import gc_remote
 
     url = s3_env.url("gc")
@@ -368,7 +369,7 @@ def test_gc_remote_evicts_least_recently_used_blobs_no_young_record_names(s3_env
     assert report.evicted == [b3, b4] and report.after == 2 << 20 and report.pinned == 1
     left = s3_env.keys(url)
     assert {k for k in left if k.startswith(("blobs/", "used/"))} == {f"{d}/{s}" for d in ("blobs", "used") for s in (b1, b2)}
-    assert "evicted 2 blobs" in report.lines()[0]
+    assert "evicted 2 blobs" in remote_gc_lines(report)[0]
     # Once the record is older than the kept days, it protects nothing.
     assert gc_remote(tier, 1 << 20, keep_days=5, now=later).evicted == [b1]
 

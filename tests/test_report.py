@@ -47,7 +47,7 @@ def test_report_shows_each_logged_build_as_a_column_and_draws_them(tmp_path_fact
 
 
 def _logged(seconds: dict, options: dict, specs: dict) -> dict:
-    """A build log's entry as Store.record_build writes it."""
+    """A build log's entry as ActionCache.record_build writes it."""
     return {"model": "m", "target": "cpu", "time": 1e9, "options": options, "specs": specs,
             "stages": [{"stage": s.split(".")[0], "method": s.partition(".")[2] or None, "status": status, "seconds": t}
                        for s, (t, status) in seconds.items()]}

@@ -45,74 +45,74 @@ def _write(path, *pieces: bytes) -> tuple[str, list[tuple[int, int]]]:
 def test_a_file_of_stored_tensors_is_kept_as_ranges_and_served_byte_for_byte(store, tmp_path):
     a, b = _bytes(1, 3 * MiB), _bytes(2, MiB + 17)
     bundle_sha, bundle_regions = _write(tmp_path / "bundle", b"HEADER" * 10, a, b)
-    assert store.put_file(tmp_path / "bundle", regions=bundle_regions[1:]) == bundle_sha
-    assert store.spans_of(bundle_sha) is None  # nothing to refer to yet: stored plainly, its regions indexed
+    assert store.objects.put_file(tmp_path / "bundle", regions=bundle_regions[1:]) == bundle_sha
+    assert store.objects.spans_of(bundle_sha) is None  # nothing to refer to yet: stored plainly, its regions indexed
     # Another file holding the same tensors in another order, with its own glue and padding.
     other_sha, other_regions = _write(tmp_path / "other", b"zip-header", b, b"\0" * 47, a, b"trailer")
     size = (tmp_path / "other").stat().st_size
-    assert store.put_file(tmp_path / "other", regions=[other_regions[1], other_regions[3]]) == other_sha
-    manifest = store.spans_of(other_sha)
+    assert store.objects.put_file(tmp_path / "other", regions=[other_regions[1], other_regions[3]]) == other_sha
+    manifest = store.objects.spans_of(other_sha)
     assert manifest is not None and manifest["size"] == size
     assert spans.referenced(manifest) == {bundle_sha}
     assert [p[0] for p in manifest["parts"]] == ["bytes", "blob", "zeros", "blob", "bytes"]
-    assert store.blob_bytes([other_sha]) < 4096  # its manifest, not its 4 MiB
+    assert store.objects.blob_bytes([other_sha]) < 4096  # its manifest, not its 4 MiB
     # Streamed, materialized for a reader that maps a path, restored into build/: the same bytes.
-    assert store.read_bytes(other_sha) == (tmp_path / "other").read_bytes()
-    path = store.verified_path(other_sha)
+    assert store.objects.read_bytes(other_sha) == (tmp_path / "other").read_bytes()
+    path = store.objects.verified_path(other_sha)
     assert path.read_bytes() == (tmp_path / "other").read_bytes() and path.parent.name == "spans"
-    dest = store.fetch(other_sha, tmp_path / "build" / "model.ptd")
+    dest = store.objects.fetch(other_sha, tmp_path / "build" / "model.ptd")
     assert dest.read_bytes() == (tmp_path / "other").read_bytes() and not os.path.samefile(dest, path)
-    assert store.verify_blob(other_sha)
+    assert store.objects.verify_blob(other_sha)
 
 
 def test_a_file_whose_big_region_is_new_is_stored_plainly(store, tmp_path):
     a = _bytes(1, 2 * MiB)
     _, regions = _write(tmp_path / "first", a)
-    store.put_file(tmp_path / "first", regions=regions)
+    store.objects.put_file(tmp_path / "first", regions=regions)
     sha, regions = _write(tmp_path / "second", a, _bytes(3, 2 * MiB))
-    store.put_file(tmp_path / "second", regions=regions)
-    assert store.spans_of(sha) is None and store.read_bytes(sha) == (tmp_path / "second").read_bytes()
+    store.objects.put_file(tmp_path / "second", regions=regions)
+    assert store.objects.spans_of(sha) is None and store.objects.read_bytes(sha) == (tmp_path / "second").read_bytes()
 
 
 def test_a_spans_blob_whose_source_is_gone_or_changed_is_never_served(store, tmp_path):
     a = _bytes(1, 2 * MiB)
     source_sha, regions = _write(tmp_path / "source", b"x" * 100, a)
-    store.put_file(tmp_path / "source", regions=regions[1:])
+    store.objects.put_file(tmp_path / "source", regions=regions[1:])
     sha, regions = _write(tmp_path / "copy", b"y" * 50, a)
-    store.put_file(tmp_path / "copy", regions=regions[1:])
-    assert store.spans_of(sha) is not None and store.has_blob(sha)
+    store.objects.put_file(tmp_path / "copy", regions=regions[1:])
+    assert store.objects.spans_of(sha) is not None and store.objects.has_blob(sha)
     # The source's bytes change under the store: the spans read other bytes, and are refused.
-    source = store.blob_path(source_sha)
+    source = store.objects.blob_path(source_sha)
     data = bytearray(source.read_bytes())
     data[-1] ^= 0xFF
     source.write_bytes(bytes(data))
     with pytest.raises(CorruptBlob):
-        store.fetch(sha, tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not store.has_blob(sha)
+        store.objects.fetch(sha, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not store.objects.has_blob(sha)
     # Stored again, then its source evicted: missing, not served.
-    store.drop_blob(source_sha)
-    store.put_file(tmp_path / "source", regions=[(100, len(a))])
-    store.put_file(tmp_path / "copy", regions=[(50, len(a))])
-    assert store.spans_of(sha) is not None
-    store.evict("blob:" + source_sha)
-    assert not store.has_blob(sha)
+    store.objects.drop_blob(source_sha)
+    store.objects.put_file(tmp_path / "source", regions=[(100, len(a))])
+    store.objects.put_file(tmp_path / "copy", regions=[(50, len(a))])
+    assert store.objects.spans_of(sha) is not None
+    store.table.evict("blob:" + source_sha)
+    assert not store.objects.has_blob(sha)
     with pytest.raises(MissingBlob):
-        store.read_bytes(sha)
+        store.objects.read_bytes(sha)
 
 
 def test_gc_keeps_what_a_pinned_spans_blob_reads_from_and_verify_rehashes_it(store, tmp_path):
     a = _bytes(1, 2 * MiB)
     source_sha, regions = _write(tmp_path / "source", a)
-    store.put_file(tmp_path / "source", regions=regions)
+    store.objects.put_file(tmp_path / "source", regions=regions)
     sha, regions = _write(tmp_path / "copy", b"glue" * 8, a)
-    store.put_file(tmp_path / "copy", regions=regions[1:])
+    store.objects.put_file(tmp_path / "copy", regions=regions[1:])
     project = tmp_path / "project"
     stamps = project / "build" / "m" / "cpu" / ".stamps"
     stamps.mkdir(parents=True)
     (stamps / "package.json").write_text(
         '{"key": "k", "inputs": {}, "digest": "d", "outputs": {"model.ptd": "%s"}, "finals": ["model.ptd"]}' % sha)
     report = cache_admin.gc(store, project, max_bytes=0)
-    assert store.has_blob(sha) and store.has_blob(source_sha), report.lines()
+    assert store.objects.has_blob(sha) and store.objects.has_blob(source_sha), report.lines()
     assert cache_admin.verify(store, project).dropped == []
     stats = cache_admin.stats(store)
     assert any("kept as ranges of the others" in line for line in stats.lines(store.root))
@@ -133,16 +133,16 @@ def test_an_exported_programs_weight_files_kept_as_ranges_of_a_bundle_are_mapped
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
     bundle = tmp_path / "model.safetensors"
     save_file(bundle, {k: v.detach() for k, v in model.state_dict().items()})
-    store.put_file(bundle, regions=tensor_regions(bundle))
+    store.objects.put_file(bundle, regions=tensor_regions(bundle))
     ep = torch.export.export(model, (torch.randn(2, 512),))
     saved = save_program(ep, tmp_path / "export")
     assert archive_regions(saved.files["tensor.0.weight"]) == saved.regions["tensor.0.weight"]
-    shas = {name: store.put_file(path, saved.shas[name], saved.regions.get(name)) for name, path in saved.files.items()}
+    shas = {name: store.objects.put_file(path, saved.shas[name], saved.regions.get(name)) for name, path in saved.files.items()}
     big = shas["tensor.0.weight"]
-    assert store.spans_of(big) is not None and store.spans_of(shas["tensor.2.bias"]) is None  # 32 bytes: glue
+    assert store.objects.spans_of(big) is not None and store.objects.spans_of(shas["tensor.2.bias"]) is None  # 32 bytes: glue
 
-    read = functools.partial(lambda name: store.verified_path(shas[name]))
-    read.mapped = lambda name: store.mapped_parts(shas[name])
+    read = functools.partial(lambda name: store.objects.verified_path(shas[name]))
+    read.mapped = lambda name: store.objects.mapped_parts(shas[name])
     loaded = load_program(read)
     assert torch.equal(loaded.state_dict["0.weight"], model[0].weight.detach())
     x = torch.randn(2, 512)
@@ -164,16 +164,16 @@ def test_a_build_whose_blobs_are_kept_as_ranges_gives_the_same_bytes_restores_an
     store = Store(project.cache)
     try:
         kept = {stage: name for stage in ("compile.decode", "blob.decode", "package")
-                for name, sha in project.stamp(stage)["outputs"].items() if store.spans_of(sha) is not None}
+                for name, sha in project.stamp(stage)["outputs"].items() if store.objects.spans_of(sha) is not None}
         # The compile writes no weights blob of its own (it proves its table on AOTInductor's, in memory).
         assert kept == {"blob.decode": "weights.blob", "package": "aoti_cpu_blob.ptd"}, kept
         assert "weights.blob" not in project.stamp("compile.decode")["outputs"]
-        ours = store.usage().get("blob", (0, 0))[1] + store.usage().get("spans", (0, 0))[1]
+        ours = store.table.usage().get("blob", (0, 0))[1] + store.table.usage().get("spans", (0, 0))[1]
     finally:
         store.close()
     theirs = Store(built_tiny.cache)
     try:
-        assert ours < theirs.usage()["blob"][1]
+        assert ours < theirs.table.usage()["blob"][1]
     finally:
         theirs.close()
     import shutil
@@ -191,32 +191,32 @@ def test_a_file_of_many_small_constants_beside_stored_ones_keeps_its_glue_once_i
     rather than store the file whole (which put a second 20 GB copy in the cache, 2026-12-06)."""
     big = [_bytes(i, 4 * MiB) for i in range(3)]
     bundle_sha, bundle_regions = _write(tmp_path / "bundle", *big)
-    store.put_file(tmp_path / "bundle", regions=bundle_regions)
+    store.objects.put_file(tmp_path / "bundle", regions=bundle_regions)
     small = [_bytes(100 + i, 40 << 10) for i in range(30)]  # 1.2 MiB of glue, each under MIN_REGION
     pieces = [piece for i, b in enumerate(big) for piece in (b, *small[i * 10:(i + 1) * 10])]
     sha, regions = _write(tmp_path / "blob", *pieces)
-    assert store.put_file(tmp_path / "blob", regions=regions) == sha
-    manifest = store.spans_of(sha)
+    assert store.objects.put_file(tmp_path / "blob", regions=regions) == sha
+    manifest = store.objects.spans_of(sha)
     assert manifest is not None and all(part[0] == "blob" for part in manifest["parts"])
     glue = spans.referenced(manifest) - {bundle_sha}
-    assert len(glue) == 1 and store.blob_bytes(glue) == 30 * (40 << 10)
-    assert store.read_bytes(sha) == (tmp_path / "blob").read_bytes()
+    assert len(glue) == 1 and store.objects.blob_bytes(glue) == 30 * (40 << 10)
+    assert store.objects.read_bytes(sha) == (tmp_path / "blob").read_bytes()
 
 
 def test_a_file_written_with_holes_where_the_store_holds_its_bytes_is_kept_as_their_ranges(store, tmp_path):
-    """The blob stage leaves a hole where the store holds a constant's bytes (Store.holds) and
+    """The blob stage leaves a hole where the store holds a constant's bytes (ObjectStore.holds) and
     hands put_file the regions it hashed: the file is never written whole, and reads back whole."""
     a, b = _bytes(7, 3 * MiB), _bytes(8, MiB)
     _, regions = _write(tmp_path / "bundle", a, b)
-    store.put_file(tmp_path / "bundle", regions=regions)
+    store.objects.put_file(tmp_path / "bundle", regions=regions)
     data = b"head" + a + b"mid" + b
     sha = hashlib.sha256(data).hexdigest()
     digested = [(4, len(a), hashlib.sha256(a).hexdigest()), (7 + len(a), len(b), hashlib.sha256(b).hexdigest())]
-    assert all(store.holds(d, n) for _, n, d in digested)
+    assert all(store.objects.holds(d, n) for _, n, d in digested)
     with open(tmp_path / "sparse", "wb") as f:
         f.write(b"head")
         f.seek(4 + len(a))
         f.write(b"mid")
         f.truncate(len(data))
-    assert store.put_file(tmp_path / "sparse", sha, digested) == sha
-    assert store.spans_of(sha) is not None and store.read_bytes(sha) == data
+    assert store.objects.put_file(tmp_path / "sparse", sha, digested) == sha
+    assert store.objects.spans_of(sha) is not None and store.objects.read_bytes(sha) == data

@@ -1,236 +1,21 @@
-"""cudabuild.engine.store: a damaged blob is dropped and reported in one line; a damaged record (not
-JSON, no digest, an output outside build/) is warned about, dropped and read as a miss, whichever
-way it is read, and a build then runs its stage instead of failing; a blob from the remote tier
-passes through a scratch file that never stays behind; a disk that fills up under an open store
-refuses its reads in one line (diskcache's reads write access times) and loses nothing."""
+"""cudabuild.engine.store: a cache folder opened, its table, object store and action cache on it; a
+disk that fills up under an open store refuses its reads in one line (diskcache's reads write
+access times) and loses nothing."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
-import shutil
-import subprocess
-import sys
-
 import pytest
 
-from _faults import BUILD_ARGS, assert_same_outputs, tmpfs
-from conftest import REPO, assert_ok
-from test_remote import server  # noqa: F401  (a real redis-server on loopback, for the remote tier)
-from test_remote_faults import proxy  # noqa: F401  (a faulty proxy in front of the session's S3 server)
-from cudabuild.engine.tiers import base, factory
-from cudabuild.engine.tiers.redis import RedisTier
+from _faults import tmpfs
+from cudabuild.engine.tiers import base
 from cudabuild.engine.store import Store
-from cudabuild.errors import CacheUnwritable, CorruptBlob, CudabuildError, MissingBlob
+from cudabuild.errors import CacheUnwritable
 
 
 @pytest.fixture(autouse=True)
 def local_only(monkeypatch):
     """A developer's own CUDABUILD_REMOTE must not reach these stores; tests that want one set it."""
     monkeypatch.delenv(base.REMOTE_ENV, raising=False)
-
-
-def _flip_a_byte(store: Store, sha: str) -> None:
-    path = store.blob_path(sha)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
-def test_corrupt_blob_is_dropped_and_reported_in_one_line(tmp_path):
-    store = Store(tmp_path / "cache")
-    try:
-        for copy_to in (None, tmp_path / "out" / "model.pte"):
-            sha = store.put_bytes(b"a blob that will not survive " + os.urandom(64))
-            _flip_a_byte(store, sha)
-            with pytest.raises(CorruptBlob) as raised:
-                store.read_bytes(sha) if copy_to is None else store.fetch(sha, copy_to)
-            for_name = "" if copy_to is None else " for model.pte"
-            assert str(raised.value) == f"cached blob {sha[:12]}{for_name} failed its sha256 check; dropped, it will be rebuilt"
-            assert not store.has_blob(sha)
-        assert list((tmp_path / "out").iterdir()) == [], "a corrupt copy is never put in place, nor its temporary file left"
-    finally:
-        store.close()
-
-
-# -- damaged records ---------------------------------------------------------------------------
-
-_READ = """
-import json, sys
-from cudabuild.engine.store import Store
-store = Store(sys.argv[1])
-key, how = sys.argv[2], sys.argv[3]
-read = {"find_record": lambda: store.find_record(key)[0], "peek_record": lambda: store.peek_record(key),
-        "records": lambda: dict(store.records()).get(key)}[how]
-print(json.dumps({"first": read(), "again": read(), "rows": sorted(e.key for e in store.entries("rec:"))}))
-"""
-
-
-def read_in_a_build(root, key: str, how: str) -> tuple[dict, list[str]]:
-    """Read `key` twice the way `how` does, in a process of its own; (what it saw, its warning lines)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDABUILD_")}
-    done = subprocess.run([sys.executable, "-c", _READ, str(root), key, how], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout), [line for line in done.stderr.splitlines() if line.startswith("cudabuild: warning:")]
-
-
-@pytest.mark.parametrize("how", ["find_record", "peek_record", "records"])
-@pytest.mark.parametrize("damage", ["no-digest", "output-outside-build", "not-json"])
-def test_damaged_local_record_is_warned_about_once_dropped_and_a_miss(tmp_path, how, damage):
-    root = tmp_path / "cache"
-    store = Store(root)
-    try:
-        sha = store.put_bytes(b"program bytes")
-        good = {"stage": "export.decode", "digest": "d" * 64, "outputs": {"program.json": sha}, "finals": []}
-        store.put_record("intact", good)
-        key = "a1b2c3d4e5f6a7b8c9d0"
-        if damage == "no-digest":
-            store.put_record(key, {k: v for k, v in good.items() if k != "digest"})
-        elif damage == "output-outside-build":
-            store.put_record(key, dict(good, outputs={"../../escape": sha}))
-        else:
-            store.cache.set("rec:" + key, '{"stage": "export.decode", "outp')  # a torn or hand-edited row
-    finally:
-        store.close()
-
-    seen, warnings = read_in_a_build(root, key, how)
-    assert seen == {"first": None, "again": None, "rows": ["rec:intact"]}
-    what = "in {root} is not a JSON object" if damage == "not-json" else "of export.decode in {root} is malformed"
-    assert warnings == [f"cudabuild: warning: cached record {key[:12]} {what.format(root=root)}; dropped, its stage will run again"]
-
-    store = Store(root)
-    try:
-        record, source = store.find_record("intact")
-        assert source == "local" and {k: record[k] for k in good} == good
-        assert [k for k, _ in store.records()] == ["intact"]
-    finally:
-        store.close()
-
-
-@pytest.mark.slow
-def test_build_runs_the_stage_whose_record_is_damaged_instead_of_failing(built_tiny, tiny_copy):
-    # package's record without its digest: restoring it once raised KeyError in Runner._restore.
-    key = tiny_copy.stamp("package")["key"]
-    store = Store(tiny_copy.cache)
-    try:
-        record = store.peek_record(key)
-        store.put_record(key, {k: v for k, v in record.items() if k != "digest"})
-    finally:
-        store.close()
-    shutil.rmtree(tiny_copy.root / "build")
-
-    result = tiny_copy.export(*BUILD_ARGS)
-    assert_ok(result)
-    statuses = tiny_copy.statuses()
-    assert statuses["package"] == "ran" and statuses["export.decode"] == "restored"
-    assert f"cudabuild: warning: cached record {key[:12]} of package in {tiny_copy.cache} is malformed" in result.stderr
-    assert_same_outputs(tiny_copy, built_tiny)
-
-
-# -- the remote tier ---------------------------------------------------------------------------
-
-
-def test_blob_from_the_remote_tier_is_stored_and_its_scratch_file_deleted(server, tmp_path, monkeypatch):  # noqa: F811
-    data = os.urandom(3 << 20)
-    source = tmp_path / "blob"
-    source.write_bytes(data)
-    sha = hashlib.sha256(data).hexdigest()
-    with open(source, "rb") as f:
-        assert RedisTier(server.url, chunk_bytes=1 << 20).put_blob(sha, f)
-    monkeypatch.setenv(base.REMOTE_ENV, server.url)
-    store = Store(tmp_path / "cache")
-    try:
-        assert not store.has_blob(sha)
-        assert store.fetch(sha, tmp_path / "out.bin").read_bytes() == data
-        assert store.has_blob(sha)
-        with pytest.raises(MissingBlob):
-            store.fetch("0" * 64, tmp_path / "absent.bin")  # in neither tier
-        assert list((tmp_path / "cache" / "incoming").iterdir()) == []
-    finally:
-        store.close()
-
-
-def _s3_store(root, url, monkeypatch) -> tuple[Store, list]:
-    """A store whose shared tier is the S3 bucket at `url` (through the proxy's AWS_ENDPOINT_URL),
-    its warnings collected."""
-    monkeypatch.setenv(base.REMOTE_ENV, url)
-    store, warnings = Store(root), []
-    store.remote = factory.from_env(warn=warnings.append)
-    return store, warnings
-
-
-def test_a_push_that_fails_is_tried_again_and_one_that_cannot_says_why(s3_env, proxy, tmp_path, monkeypatch):  # noqa: F811
-    """Issue 59: a result's write-back to the shared tier that failed was dropped without a word.
-    publish tries it again while the tier takes writes (a fault the SDK's own retries did not
-    outlast), and says why it could not."""
-    url = s3_env.url("publish")
-    store, warnings = _s3_store(tmp_path / "cache", url, monkeypatch)
-    try:
-        blob = store.put_bytes(os.urandom(1 << 20))
-        record = {"stage": "export.decode", "digest": "d", "outputs": {"program.json": blob}}
-        proxy.drop_next(3)  # every attempt of the first call: the first push fails
-        assert store.publish("k" * 64, record) is None
-        assert proxy.faults_done["dropped"] == 3
-        reader, _ = _s3_store(tmp_path / "reader", url, monkeypatch)
-        try:
-            assert reader.remote.get_record("k" * 64)["outputs"] == record["outputs"]
-            assert reader.fetch(blob, tmp_path / "out").read_bytes() == store.read_bytes(blob)
-        finally:
-            reader.close()
-
-        proxy.down = True  # every call fails, until the tier is given up
-        other = store.put_bytes(os.urandom(1 << 20))
-        why = store.publish("j" * 64, dict(record, outputs={"program.json": other}))
-        # Tried again until the tier was given up (its calls count the failures: FAILURES_TO_GIVE_UP).
-        assert re.fullmatch(rf"the upload of blob {other[:12]} failed; tried [23] times", why), why
-        assert not store.remote.writable and "continuing with the local cache only" in warnings[-1], warnings
-        assert store.publish("i" * 64, record) == ("it takes no writes from this process (read-only, or given up or "
-                                                   "refused a write earlier: see its warning)")
-    finally:
-        store.close()
-
-
-def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env, proxy, project, tmp_path, monkeypatch,
-                                                                          capfd):  # noqa: F811
-    """store_result says it at once (a warning; on a cluster's worker, whose driver restores from
-    the tier, the stage fails) instead of the driver's later "not in the shared tier"."""
-    from cudabuild.config import load_config
-    from cudabuild.engine.console import terminal
-    from cudabuild.engine.context import StageResult
-    from cudabuild.engine.graph import Stage
-    from cudabuild.engine.runner import Runner
-
-    # The terminal's stderr is a copy of fd 2 made at its first use: made again, under capfd.
-    monkeypatch.setattr(terminal, "_STREAMS", {})
-    store, _ = _s3_store(tmp_path / "cache", s3_env.url("store-result"), monkeypatch)
-    try:
-        config = load_config(project.root, {"model": "tiny_lm", "target": "cpu"}, store)
-        proxy.down = True
-        for required in (False, True):
-            (tmp_path / "program.json").write_text("{}")  # the store takes it in
-            runner = Runner(config, store, run_id="test", publish_required=required)
-            stage, key = Stage("export", "decode"), ("r" if required else "w") * 64
-            store_result = lambda: runner.store_result(stage, key, {}, StageResult({"program.json": tmp_path / "program.json"}),  # noqa: E731
-                                                       started=0.0, why=None, peak_rss=None)
-            if not required:
-                store_result()
-                said = [line for line in capfd.readouterr().err.splitlines() if "export.decode" in line]
-                blob = runner.read_stamp(stage).outputs["program.json"]
-                assert len(said) == 1 and re.fullmatch(
-                    rf"cudabuild: warning: stage export.decode: its result {key[:12]} was not written to the shared "
-                    rf"tier {re.escape(store.remote.where)} \(the upload of blob {blob[:12]} failed; tried [23] times\); "
-                    "this cache keeps it, other machines will build it themselves", said[0]), said
-            else:
-                with pytest.raises(CudabuildError, match=rf"^stage export.decode: its result {key[:12]} was not written "
-                                                         r"to the shared tier .* so the driver cannot restore it; fix the "
-                                                         r"tier \(its warning says what failed\) and build again$"):
-                    store_result()
-            assert store.peek_record(key) is not None  # this cache keeps it either way
-    finally:
-        store.close()
 
 
 @pytest.fixture
@@ -242,8 +27,8 @@ def tiny_disk(tmp_path):
 def test_reads_of_an_open_store_on_a_disk_that_filled_up_fail_in_one_line_and_lose_nothing(tiny_disk):
     store = Store(tiny_disk / "cache")
     try:
-        sha = store.put_bytes(b"weights" * 1000)
-        store.put_json("recipe:tiny", {"methods": ["decode"]})
+        sha = store.objects.put_bytes(b"weights" * 1000)
+        store.actions.put_json("recipe:tiny", {"methods": ["decode"]})
         source = tiny_disk / "recipe.py"
         source.write_text("x = 1\n")
         digest = store.hasher(source)
@@ -256,12 +41,12 @@ def test_reads_of_an_open_store_on_a_disk_that_filled_up_fail_in_one_line_and_lo
         # The file-hash memo is an optimisation: unreadable, it is a miss, and the file is hashed.
         assert store.hasher(source) == digest
         with pytest.raises(CacheUnwritable, match=f"cannot write to the cache at {tiny_disk / 'cache'} while reading blob {sha[:12]}: its disk is full"):
-            store.read_bytes(sha)
+            store.objects.read_bytes(sha)
         with pytest.raises(CacheUnwritable, match="while reading the recipe document: its disk is full"):
-            store.get_json("recipe:tiny")
+            store.actions.get_json("recipe:tiny")
 
         filler.unlink()
-        assert store.read_bytes(sha) == b"weights" * 1000
-        assert store.get_json("recipe:tiny") == {"methods": ["decode"]}
+        assert store.objects.read_bytes(sha) == b"weights" * 1000
+        assert store.actions.get_json("recipe:tiny") == {"methods": ["decode"]}
     finally:
         store.close()

@@ -24,10 +24,10 @@ def edge_program_and_compile(project, tmp_path, method: str = "decode"):
     store = Store(project.cache)
     try:
         edge_outputs = stamp(project, f"edge.{method}")["outputs"]
-        edge = load_program(lambda name: store.read_bytes(edge_outputs[name]))
+        edge = load_program(lambda name: store.objects.read_bytes(edge_outputs[name]))
         compiled = stamp(project, f"blob.{method}")["outputs"]  # the .so, and the blob the build keeps
-        so = store.fetch(compiled["model.so"], tmp_path / "model.so")
-        blob = store.fetch(compiled["weights.blob"], tmp_path / "weights.blob")
+        so = store.objects.fetch(compiled["model.so"], tmp_path / "model.so")
+        blob = store.objects.fetch(compiled["weights.blob"], tmp_path / "weights.blob")
     finally:
         store.close()
     return edge, str(so), str(blob)
@@ -36,7 +36,7 @@ def edge_program_and_compile(project, tmp_path, method: str = "decode"):
 def verify_records(project) -> set[str]:
     store = Store(project.cache)
     try:
-        return {key for key, record in store.records() if record["stage"].startswith("verify")}
+        return {key for key, record in store.actions.records() if record["stage"].startswith("verify")}
     finally:
         store.close()
 

@@ -60,7 +60,7 @@ def starts_a_program(payload):
 def works_in_a_folder(payload):
     import subprocess
     from cudabuild.engine.store import Store
-    with Store(payload["cache"]).work_folder("compile.decode") as work:
+    with Store(payload["cache"]).objects.work_folder("compile.decode") as work:
         (work / "model.so").write_bytes(b"half a .so")
         program = subprocess.Popen(["sleep", "120"])
         Path(payload["pids"] + ".tmp").write_text(f"{os.getpid()} {program.pid} {work}")
@@ -392,6 +392,36 @@ def test_a_stage_run_warm_is_the_stage_run_here(tiny_copy, tmp_path):
     finally:
         tiny_copy.cudabuild("warm", "stop", CUDABUILD_WARM="1")
     assert "no warm process" in tiny_copy.cudabuild("warm").stdout
+
+
+@pytest.mark.slow
+def test_a_stage_run_warm_that_finds_an_upstream_blob_bad_has_its_producer_rewound(built_tiny, tiny_copy):
+    """The warm process's child builds no runner (cudabuild.engine.far_end), so it cannot run a
+    stage's producer: the bad upstream blob it finds comes back as LostInput, and the build's runner
+    rewinds the producer (in the warm process too) and runs the stage again; the build gives the
+    bytes of a clean one."""
+    from _faults import assert_same_outputs, blob_file, forget
+
+    blob = tiny_copy.stamp("export.decode")["outputs"]["program.json"]
+    path = blob_file(tiny_copy, blob)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    forget(tiny_copy, "edge.decode")  # edge reads export's program
+    # Two workers: the build starts the warm process at its first stage that must run.
+    env = tiny_copy.env(CUDABUILD_WARM=1, CUDABUILD_JOBS=2, CUDABUILD_WARM_IDLE_SECONDS=60)
+    try:
+        result = tiny_copy.export("model=tiny_lm", "target=cpu", env=env)
+        assert_ok(result)
+        statuses = tiny_copy.statuses()
+        assert statuses["export.decode"] == statuses["edge.decode"] == "ran", statuses
+        assert f"cudabuild: warning: cached blob {blob[:12]}" in result.stderr and "failed its sha256 check" in result.stderr
+        assert "export.decode: a cached output was missing or corrupt; running it again" in result.stdout + result.stderr
+        events = json.loads((tiny_copy.build_dir / "trace.json").read_text())["traceEvents"]
+        edge = [e for e in events if e["name"] == "edge.decode" and e["args"].get("step") == "execute"]
+        assert edge and all(e["args"].get("warm") for e in edge), edge  # run in the warm process
+        assert_same_outputs(tiny_copy, built_tiny)
+    finally:
+        tiny_copy.cudabuild("warm", "stop", CUDABUILD_WARM="1")
 
 
 def _wait_for_server(project, seconds: float = 120.0) -> int:

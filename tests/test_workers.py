@@ -142,7 +142,7 @@ def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_p
     runner = Runner(config, store, "test", workers=2)
     edge = Stage("edge", "decode")
     # The weights it is handed: the largest upstream stage's outputs (export's, not the probe's).
-    export_bytes = store.logical_bytes(runner.read_stamp(Stage("export", "decode")).outputs.values())
+    export_bytes = store.objects.logical_bytes(runner.read_stamp(Stage("export", "decode")).outputs.values())
     assert admission.weights_bytes(runner, edge) == export_bytes
     last_peak = runner.read_stamp(edge).peak_rss
     assert export_bytes > 0 and last_peak > 0
@@ -151,7 +151,7 @@ def test_the_memory_estimate_scales_with_upstream_bytes_and_remembers_the_last_p
     # With neither a last run nor upstream bytes (the build log gone, no stamps), nothing sizes it.
     for stamp in (tiny_copy.build_dir / ".stamps").glob("*.json"):
         stamp.unlink()
-    store.cache.clear()
+    store.table.cache.clear()
     assert admission.memory_estimate(runner, edge, runner.inputs(edge)) is None
 
 

@@ -385,7 +385,7 @@ def write_blob(path: Path, table: dict, tensors: Mapping[str, object],
 
     With `stored(sha, length)` (StageContext.holds: the store has these bytes already), a constant
     it says yes to is left out as a hole, so the file takes on the disk only what the store does
-    not hold yet; the store then keeps it as ranges of the blobs that do (Store.put_file with
+    not hold yet; the store then keeps it as ranges of the blobs that do (ObjectStore.put_file with
     digested regions). A constant's bytes are read twice then: once to hash them, once (only when
     not stored) to write them."""
     from concurrent.futures import ThreadPoolExecutor

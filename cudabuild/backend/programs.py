@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from cudabuild.engine.hashing import sha256_file
+from cudabuild.engine.spans import SpanReader
 
 TENSOR_PREFIX = "tensor."
 
@@ -205,72 +206,6 @@ def _member_offset(raw, info) -> int:
     return info.header_offset + 30 + name_length + extra_length
 
 
-class _SpanFile(io.RawIOBase):
-    """A blob kept as spans (cudabuild.engine.spans), read at random: what zipfile needs to find a
-    torch.save archive's members without the archive being written out whole."""
-
-    def __init__(self, manifest: dict, paths: dict):
-        import base64
-
-        super().__init__()
-        self.parts, self.starts, at = [], [], 0
-        for part in manifest["parts"]:
-            if part[0] == "blob":
-                entry = ("blob", paths[part[1]], part[2], part[3])
-            elif part[0] == "zeros":
-                entry = ("zeros", None, 0, part[1])
-            else:
-                data = base64.b64decode(part[1])
-                entry = ("bytes", data, 0, len(data))
-            self.parts.append(entry)
-            self.starts.append(at)
-            at += entry[3]
-        self.size, self.position, self._files = at, 0, {}
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
-        self.position = base + offset
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
-
-    def where(self, offset: int) -> tuple[int, int]:
-        """(the part holding byte `offset`, the offset within it)."""
-        import bisect
-
-        index = bisect.bisect_right(self.starts, offset) - 1
-        return index, offset - self.starts[index]
-
-    def readinto(self, buffer) -> int:
-        if self.position >= self.size:
-            return 0
-        index, inner = self.where(self.position)
-        kind, source, start, length = self.parts[index]
-        n = min(len(buffer), length - inner)
-        if kind == "zeros":
-            buffer[:n] = bytes(n)
-        elif kind == "bytes":
-            buffer[:n] = source[inner:inner + n]
-        else:
-            handle = self._files.get(source) or self._files.setdefault(source, open(source, "rb"))
-            handle.seek(start + inner)
-            buffer[:n] = handle.read(n)
-        self.position += n
-        return n
-
-    def close(self) -> None:
-        for handle in self._files.values():
-            handle.close()
-        super().close()
-
-
 def _load_mapped_archive(manifest: dict, paths: dict):
     """torch.load of a torch.save archive kept as spans: the small members (the pickle) read, each
     storage mapped (copy-on-write) from the file that holds its bytes, so a weight of gigabytes is
@@ -280,8 +215,8 @@ def _load_mapped_archive(manifest: dict, paths: dict):
     import numpy as np
     from torch import _weights_only_unpickler
 
-    span_file = _SpanFile(manifest, paths)
-    with zipfile.ZipFile(span_file) as archive:
+    span_file = SpanReader(manifest, lambda sha: open(paths[sha], "rb"))
+    with span_file, zipfile.ZipFile(span_file) as archive:
         prefix = archive.namelist()[0].split("/")[0]
 
         def storage(key: str, nbytes: int) -> torch.UntypedStorage:
@@ -290,7 +225,7 @@ def _load_mapped_archive(manifest: dict, paths: dict):
             index, inner = span_file.where(offset)
             kind, source, start, length = span_file.parts[index]
             if nbytes and kind == "blob" and inner + nbytes <= length:
-                mapped = np.memmap(source, dtype=np.uint8, mode="c", offset=start + inner, shape=(nbytes,))
+                mapped = np.memmap(paths[source], dtype=np.uint8, mode="c", offset=start + inner, shape=(nbytes,))
                 return torch.from_numpy(mapped).untyped_storage()
             data = archive.read(info)[:nbytes]  # a small tensor, or one the glue holds: read
             return torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)

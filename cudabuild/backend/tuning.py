@@ -102,7 +102,8 @@ def pin_autotune(runner) -> Path:
     config = runner.config
     entries = {}
     for method in config.methods:
-        data = json.loads(runner.read_output(Stage("compile", method), "autotune.json"))
+        compiled = Stage("compile", method)
+        data = json.loads(runner.io(compiled).read(compiled, "autotune.json"))
         entries[method] = {"tuning_key": data["tuning_key"], "files": data["files"]}
     path = write_pins(config.project, config.model, config.target, entries)
     for method in config.methods:

@@ -16,10 +16,14 @@
 The size `cache gc --max-size` bounds is the bytes of blobs, records and the folders beside the
 store; the limit a build enforces after each stage ($CUDABUILD_CACHE_MAX_SIZE) bounds blobs and
 records, which one SQL sum gives, without walking the kernel folder on a build's path (the memo,
-docs and build log are bookkeeping, a few KiB). Reads go through Store's inspection methods,
-which do not count as uses.
-This module builds on Store and Store never imports it: what is in use (the pins) is worked out
-here, above the store, as dvc-data's gc(odb, used) has its caller do. Nothing here imports torch.
+docs and build log are bookkeeping, a few KiB). Reads go through the table's inspection methods
+(cudabuild.engine.diskcache_rows.Table), which do not count as uses.
+This module builds on the store (its table, object store and action cache) and none of them
+imports it: what is in use (the pins) is worked out here, above the store, as dvc-data's
+gc(odb, used) has its caller do. Nothing here imports torch.
+
+Owns the cache tools (stats, verify, gc, here and of an S3 tier: `gc_remote`) and the pins. Must
+not touch: how the store keeps an entry (the table, the object store, the action cache say that).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from cudabuild.errors import InvalidOption
+from cudabuild.errors import InvalidOption, InvalidRemote
 from cudabuild.engine.stamp import all_stamps
 from cudabuild.engine.store import Store
 
@@ -86,7 +90,7 @@ class Pins:
         from cudabuild.engine.spans import referenced
 
         for sha in list(self.blobs):
-            manifest = store.spans_of(sha)
+            manifest = store.objects.spans_of(sha)
             if manifest is not None:
                 self.blobs.update(referenced(manifest))
         return self
@@ -105,10 +109,10 @@ def _dangling_records(store: Store, evicted: frozenset[str] = frozenset()) -> li
     """[(key, stage)] of records that name a blob the store no longer has, counting the entries in
     `evicted` ("blob:<sha>", "rec:<key>") as gone already (what a dry run would have evicted)."""
     dangling = []
-    for key, record in store.records():
+    for key, record in store.actions.records():
         if "rec:" + key in evicted:
             continue
-        if not all("blob:" + sha not in evicted and store.has_blob(sha) for sha in (record.get("outputs") or {}).values()):
+        if not all("blob:" + sha not in evicted and store.objects.has_blob(sha) for sha in (record.get("outputs") or {}).values()):
             dangling.append((key, record.get("stage", "?")))
     return dangling
 
@@ -117,7 +121,7 @@ def _drop_dangling_records(store: Store) -> list[tuple[str, str]]:
     """Drop records that name a blob the store no longer has; [(key, stage)] of those dropped."""
     dropped = _dangling_records(store)
     for key, _ in dropped:
-        store.drop_record(key)
+        store.actions.drop_record(key)
     return dropped
 
 
@@ -132,7 +136,7 @@ class GcReport:
     dangling_records: int = 0
     orphan_files: int = 0
     orphan_bytes: int = 0
-    work_folders: int = 0  # work folders of killed stages (Store.orphan_work)
+    work_folders: int = 0  # work folders of killed stages (ObjectStore.orphan_work)
     work_bytes: int = 0
     size_after: int = 0
     pinned_bytes: int = 0
@@ -180,12 +184,12 @@ class GcReport:
 def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_days: Optional[float] = None,
        now: Optional[float] = None, dry_run: bool = False, beside: bool = True) -> GcReport:
     """Evict unpinned blobs and records: older than max_age_days, then least recently used until
-    max_bytes. Also deletes files that killed writes left without a row (Store.sweep_orphans).
+    max_bytes. Also deletes files that killed writes left without a row (Table.sweep_orphans).
     With dry_run, the report says what would be evicted and deleted, and the store is left as it is.
     With beside=False, the folders beside the store are neither counted nor evicted."""
     now = time.time() if now is None else now
     pinned = pins(project).with_spans(store)
-    entries = store.entries("blob:") + store.entries("spans:") + store.entries("rec:")
+    entries = store.table.entries("blob:") + store.table.entries("spans:") + store.table.entries("rec:")
     report = GcReport(max_bytes=max_bytes, max_age_days=max_age_days, stamps=pinned.stamps, dry_run=dry_run)
     kept = [e for e in entries if pinned.holds(e.key)]
     report.pinned_blobs = sum(1 for e in kept if e.key.startswith(("blob:", "spans:")))
@@ -201,7 +205,7 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
             continue
         if dry_run:
             evicted.add(entry.key)
-        elif not store.evict(entry.key):
+        elif not store.table.evict(entry.key):
             continue
         total -= entry.bytes
         report.evicted_bytes += entry.bytes
@@ -214,17 +218,17 @@ def gc(store: Store, project: Path, max_bytes: Optional[int] = None, max_age_day
             dangling = {"rec:" + key for key, _ in _dangling_records(store, frozenset(evicted))}
             report.dangling_records = len(dangling)
             total -= sum(e.bytes for e in entries if e.key in dangling)
-        orphans = store.orphan_files(now=now)
+        orphans = store.table.orphan_files(now=now)
         report.orphan_files, report.orphan_bytes = len(orphans), sum(size for _, size in orphans)
-        work = store.orphan_work()
+        work = store.objects.orphan_work()
         report.work_folders, report.work_bytes = len(work), sum(size for _, size in work)
         report.size_after = total - beside_left
         return report
     if report.evicted_blobs:
         report.dangling_records = len(_drop_dangling_records(store))
-    report.orphan_files, report.orphan_bytes = store.sweep_orphans(now=now)
-    report.work_folders, report.work_bytes = store.sweep_work()
-    report.size_after = store.size()
+    report.orphan_files, report.orphan_bytes = store.table.sweep_orphans(now=now)
+    report.work_folders, report.work_bytes = store.objects.sweep_work()
+    report.size_after = store.table.size()
     return report
 
 
@@ -294,9 +298,39 @@ def enforce_limit(store: Store, project: os.PathLike | str) -> Optional[GcReport
     if not raw:
         return None
     limit = parse_size(raw, where=MAX_SIZE_ENV)
-    if store.size() <= limit:
+    if store.table.size() <= limit:
         return None
     return gc(store, Path(project), max_bytes=limit, beside=False)
+
+
+# -- gc of the shared tier ------------------------------------------------------------------------
+
+
+def gc_remote(max_size: Optional[str], keep_days: float, dry_run: bool = False) -> list[str]:
+    """`cudabuild cache gc --remote`: the tier the environment names, its blobs bounded to
+    --max-size (cudabuild.engine.tiers.s3.gc); the lines that say what it did."""
+    from cudabuild.engine.tiers import factory
+    from cudabuild.engine.tiers.base import BLOBS_ENV, REMOTE_ENV
+    from cudabuild.engine.tiers.s3 import gc as s3_gc
+
+    if not max_size:
+        raise InvalidRemote("cache gc --remote needs --max-size SIZE (what the object store's blobs may take)")
+    tier = factory.from_env()
+    if tier is None:
+        raise InvalidRemote(f"cache gc --remote needs the shared tier: set {REMOTE_ENV} (and {BLOBS_ENV})")
+    return remote_gc_lines(s3_gc.gc_remote(tier, parse_size(max_size, "--max-size"), keep_days, dry_run=dry_run))
+
+
+def remote_gc_lines(report) -> list[str]:
+    """What a gc of the shared tier did (a tiers.s3.gc.RemoteGcReport), in words."""
+    out = [f"remote {report.where}: {plural(report.blobs, 'blob')}, {format_bytes(report.before)}; "
+           f"{'would evict' if report.dry_run else 'evicted'} {plural(len(report.evicted), 'blob')} "
+           f"({format_bytes(report.evicted_bytes)}), {'then' if report.dry_run else 'now'} {format_bytes(report.after)} "
+           f"of {format_bytes(report.limit)}"]
+    if report.after > report.limit:
+        out.append(f"still over the limit: {plural(report.pinned, 'blob')} named by records younger than the kept "
+                   f"days and {plural(report.recent, 'blob')} used in the last hour are never evicted")
+    return out
 
 
 # -- verify --------------------------------------------------------------------------------------
@@ -332,19 +366,19 @@ class VerifyReport:
 def verify(store: Store, project: Path) -> VerifyReport:
     """Re-hash every blob; drop corrupt ones, then every record that names a blob no longer present."""
     names: dict[str, str] = {}
-    for _, record in store.records():
+    for _, record in store.actions.records():
         for name, sha in (record.get("outputs") or {}).items():
             names.setdefault(sha, f"{record.get('stage', '?')} {name}")
     report = VerifyReport()
-    for entry in store.entries("blob:") + store.entries("spans:"):
+    for entry in store.table.entries("blob:") + store.table.entries("spans:"):
         sha = entry.key.partition(":")[2]
         report.checked += 1
         report.checked_bytes += entry.bytes
-        if not store.verify_blob(sha):
+        if not store.objects.verify_blob(sha):
             report.dropped.append(f"{sha[:12]} ({names.get(sha, 'no record names it')})")
     report.dropped_records = [f"{stage} ({key[:12]})" for key, stage in _drop_dangling_records(store)]
     for where, stamp in all_stamps(project):
-        if any(not store.has_blob(sha) for sha in stamp.outputs.values()):
+        if any(not store.objects.has_blob(sha) for sha in stamp.outputs.values()):
             report.stamps_affected.append(where)
     return report
 
@@ -380,7 +414,7 @@ class Stats:
     # Folders stages keep in the cache beside the store (compiled Triton kernels): name -> (files, bytes)
     folders: dict = field(default_factory=dict)
     spans_bytes: int = 0  # what the blobs kept as spans hold (their manifests take usage["spans"])
-    # The stages' work folders (Store.work_folders): (folders, bytes) of running stages, and of
+    # The stages' work folders (ObjectStore.work_folders): (folders, bytes) of running stages, and of
     # killed ones (what `cache gc` and the next build delete).
     work_running: tuple = (0, 0)
     work_left: tuple = (0, 0)
@@ -429,15 +463,15 @@ class Stats:
 
 def stats(store: Store, last: Optional[int] = None) -> Stats:
     """Counts by stage kind over the last `last` logged builds (all when None)."""
-    log = store.build_log(last)
-    sizes = {e.key[len("blob:"):]: e.bytes for e in store.entries("blob:")}
+    log = store.actions.build_log(last)
+    sizes = {e.key[len("blob:"):]: e.bytes for e in store.table.entries("blob:")}
     spans_bytes = 0
-    for entry in store.entries("spans:"):  # what a blob kept as spans holds, not its manifest's bytes
-        manifest = store.spans_of(entry.key[len("spans:"):])
+    for entry in store.table.entries("spans:"):  # what a blob kept as spans holds, not its manifest's bytes
+        manifest = store.objects.spans_of(entry.key[len("spans:"):])
         if manifest is not None:
             sizes[entry.key[len("spans:"):]] = manifest["size"]
             spans_bytes += manifest["size"]
-    records = dict(store.records())
+    records = dict(store.actions.records())
     kinds: dict[str, KindStats] = {}
     unknown = 0
     for build in log:
@@ -455,15 +489,15 @@ def stats(store: Store, last: Optional[int] = None) -> Stats:
                 unknown += 1
             else:
                 k.saved_bytes += sum(sizes.get(sha, 0) for sha in (record.get("outputs") or {}).values())
-    work = store.work_folders()
+    work = store.objects.work_folders()
     running = [size for _, size, alive in work if alive]
     left = [size for _, size, alive in work if not alive]
-    return Stats(store.usage(), len(log), kinds, unknown, _folders_beside(store.root), spans_bytes,
+    return Stats(store.table.usage(), len(log), kinds, unknown, _folders_beside(store.root), spans_bytes,
                  work_running=(len(running), sum(running)), work_left=(len(left), sum(left)))
 
 
 # The store's own folders (diskcache's, its write area, the build locks, the stages' work folders:
-# Store.work_folders, which gc deletes only when their stage was killed); any other folder in the
+# ObjectStore.work_folders, which gc deletes only when their stage was killed); any other folder in the
 # cache root is one a stage keeps there, counted by `cache stats` and gc'd entry by entry.
 _STORE_FOLDERS = {"store", "incoming", "locks", "work"}
 

@@ -2,8 +2,10 @@
 cluster's worker.
 
 The runner decides (cudabuild.engine.runner: cached -> restorable -> run) and hands a stage that
-must run to its build's executor as a `Job`: what to run and with what, nothing of the runner
-(Bazel's Spawn). `with executor.run(job) as outcome:` runs it and gives its `Outcome`:
+must run to its build's executor as a `Job`: what to run and with what, as data, nothing of the
+runner (Bazel's Spawn): the stage's I/O (cudabuild.engine.stage_io.StageIO) and what its admission
+reads (cudabuild.engine.admission.BuildView). `with executor.run(job) as outcome:` runs it and
+gives its `Outcome`:
 - `Made`: a StageResult made in this process, its files in a work directory until the block ends;
 - `Published`: record K was published elsewhere (by another builder of the key while this one
   waited, by the cache's warm process, or by a cluster's worker).
@@ -15,10 +17,12 @@ executor's claim on the key (its lock, its lease) covers the run and the store. 
   beside the build's other stages by memory and device (the job's `admitted`), in a fresh work
   directory with its third-party output in its log.
 - `WarmProcess` hands it to the cache's warm process (cudabuild.warm_stage: a fork or a spare that
-  imported torch already), whose own runner runs it `InProcess` there, stores it in this cache and
-  stamps it in this build/; when none answers, or none can serve, it runs here instead.
-- `ClusterWorker` hands it off to a Dask cluster's worker (cudabuild.engine.cluster), which
-  publishes it to the shared tier, and says where it ran, for how long, and why.
+  imported torch already), which runs it `InProcess` there and stores it in this cache
+  (cudabuild.engine.far_end); when none answers, or none can serve, it runs here instead.
+- `ClusterWorker` hands it off to a Dask cluster's worker (cudabuild.engine.cluster), which runs it
+  the same way and publishes it to the shared tier, and says where it ran and for how long.
+Either far end builds the Job from what it is sent, never a runner; a bad upstream blob there
+comes back as LostInput (cudabuild.engine.stage_io), for the runner to rewind.
 
 Owns those three ways and what goes with them: the key lock, the lease, the work directory.
 Must not touch: the decision, restoring, storing, stamps (runner.py); it is handed no runner.
@@ -35,11 +39,12 @@ import time
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional, Protocol, Union
 
-from cudabuild.engine import memory, room
+from cudabuild.engine import admission, memory, room
 from cudabuild.engine.admission import WAITS
 from cudabuild.engine.console import terminal, trace
 from cudabuild.engine.context import StageContext, StageResult
 from cudabuild.engine.graph import Stage
+from cudabuild.engine.stage_io import LostInput, StageIO
 from cudabuild.errors import CudabuildError
 
 
@@ -51,22 +56,35 @@ class Job:
     stage: Stage
     key: str
     inputs: dict
-    store: object  # the build's Store: its locks folder, and the shared tier the lease is taken on
+    io: StageIO  # its upstream outputs, what it keeps, and what is done about a bad blob
+    build: admission.BuildView  # its build, with the build's stamps and store
     module: str  # the stage function's module (its pipeline row's)
-    context: Callable[[Path], StageContext]  # the stage's context, in a work directory
-    admitted: Callable[[], ContextManager]  # its turn beside the build's other stages (cudabuild.engine.admission)
     log: Optional[Path]  # where its third-party output goes; None: the console
     note: Callable[[str], None] = terminal.note  # the build's own lines (a wait for another builder)
-    # For a process elsewhere: the stage's name in messages (model/target:stage), the upstream
-    # stamps it keys on, the driver's toolchain fingerprint and run id, and what it asks of a worker.
+    # Run inside another stage's run (a producer rewound for its consumer): admitted under its
+    # consumer's admission, since asking again could wait on itself.
+    nested: bool = False
+    # For a process elsewhere: the stage's name in messages (model/target:stage), the driver's
+    # toolchain fingerprint and run id.
     label: str = ""
-    upstream: dict = dataclasses.field(default_factory=dict)
     fingerprint: dict = dataclasses.field(default_factory=dict)
     run_id: str = ""
-    resources: Callable[[], dict] = dict
     # Whether a record another builder published meanwhile is taken (False: build it regardless,
     # because the one found could not be restored).
     look: bool = True
+
+    def context(self, workdir: Path) -> StageContext:
+        """The stage's context, in a work directory."""
+        return StageContext(self.build.config, self.stage, self.inputs, self.key, workdir, self.io, self.note,
+                            self.build.workers)
+
+    def admitted(self) -> ContextManager:
+        """Its turn beside the build's other stages (cudabuild.engine.admission)."""
+        return contextlib.nullcontext() if self.nested else admission.admitted(self.build, self.stage, self.inputs)
+
+    def resources(self) -> dict:
+        """What it asks of a cluster's worker."""
+        return admission.resources(self.build, self.stage, self.inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,17 +104,16 @@ class Published:
 
     `status` is what the publisher did for this build: "ran", or another status of its own ("remote":
     a worker found it built); "" when another builder published it while this one waited (the
-    restore then says restored or remote). `stamped`: the publisher stored it in this cache and
-    wrote its stamp in this build/ (the warm process), so there is nothing to restore.
+    restore then says restored or remote). A run's measures go in the stamp.
     """
 
     key: str
     by: str
     status: str = ""
-    stamped: bool = False
     seconds: float = 0.0
-    reason: Optional[str] = None
     peak_rss: Optional[int] = None
+    written_bytes: Optional[int] = None
+    peak_private: Optional[int] = None
     worker: Optional[dict] = None  # a cluster worker's placement, for the stamp
     span: dict = dataclasses.field(default_factory=dict)  # what joins the stage's span (the warm server's pid)
 
@@ -112,10 +129,15 @@ class Executor(Protocol):
         """Run the job; its outcome for the block, the executor's claim on the key held until it ends."""
 
 
+def log_path(build_dir: Path, stage: Stage) -> Path:
+    """Where a stage's third-party output goes when it is captured: build/<model>/<target>/logs/."""
+    return build_dir / "logs" / f"{stage.id}.log"
+
+
 @contextlib.contextmanager
-def key_lock(store, key: str):
-    """The key's flock in the cache: one builder of a key at a time on this machine."""
-    lock_dir = store.root / "locks"
+def key_lock(root: Path, key: str):
+    """The key's flock in the cache at `root`: one builder of a key at a time on this machine."""
+    lock_dir = root / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / key[:16], "a+") as handle:
         with trace.wait(WAITS["key"], key=key[:12]):
@@ -130,7 +152,7 @@ def key_lock(store, key: str):
 def run_here(job: Job) -> Iterator[Made]:
     """The stage function in this process, in a fresh work directory, once admitted; the work
     directory stays for the block, while the caller stores what it made."""
-    with job.store.work_folder(job.stage.id) as work:
+    with job.io.objects.work_folder(job.stage.id) as work:
         ctx = job.context(work)
         with terminal.capture(job.log) if job.log is not None else contextlib.nullcontext():
             # The stage's module, and what it imports at its top, loads before the stage waits
@@ -142,7 +164,7 @@ def run_here(job: Job) -> Iterator[Made]:
                 with trace.phase("run"), memory.PeakSampler() as sampled, memory.WrittenBytes() as written:
                     # A full disk says so the same way in every stage (inductor's own error wraps
                     # it), and is said before the admission's bookkeeping, on the same disk, fails too.
-                    with room.named(job.stage.id, job.store.root):
+                    with room.named(job.stage.id, job.io.objects.root):
                         result: StageResult = module.run(ctx)
                 # What the stage left behind is collected now, before the next stage (here, or
                 # let in beside) adds its own: after a stage that held much more than it started
@@ -158,7 +180,7 @@ class InProcess:
 
     @contextlib.contextmanager
     def run(self, job: Job) -> Iterator[Outcome]:
-        with key_lock(job.store, job.key):
+        with key_lock(job.io.objects.root, job.key):
             # Another process may have built this key while we waited for the lock, and another
             # machine may be building it now.
             lease = self.claim(job)
@@ -177,14 +199,14 @@ class InProcess:
         appears or the lease goes (released, or lapsed because the holder died), then take the
         record or the lease. After $CUDABUILD_REMOTE_WAIT_SECONDS of waiting, build anyway.
         """
-        store, key = job.store, job.key
-        remote = store.remote
+        actions, key = job.io.actions, job.key
+        remote = actions.remote
         deadline = time.monotonic() + (remote.wait_seconds if remote is not None else 0.0)
         for polls in itertools.count():
             lease = remote.try_lease(key) if remote is not None else None
             # Look after claiming: the holder may have published and let go since our last look.
             # Only look: taking the record (and saying which tier it came from) is the runner's.
-            if job.look and store.locate_record(key)[0] is not None:
+            if job.look and actions.lookup(key)[0] is not None:
                 if lease is not None:
                     lease.release()
                 return None
@@ -201,10 +223,10 @@ class InProcess:
 
 @dataclasses.dataclass
 class WarmProcess:
-    """In the cache's warm process. `call(stage)` asks it (cudabuild.warm_stage.WarmStages) and
+    """In the cache's warm process. `call(job)` asks it (cudabuild.warm_stage.WarmStages) and
     gives back its outcome; `here` runs what it cannot serve."""
 
-    call: Optional[Callable[[Stage], dict]]
+    call: Optional[Callable[[Job], dict]]
     here: InProcess = dataclasses.field(default_factory=InProcess)
     logs_here = True
 
@@ -218,7 +240,7 @@ class WarmProcess:
         if self.call is not None:
             asked = trace.now_us()
             try:
-                outcome = self.call(job.stage)
+                outcome = self.call(job)
             except WarmNotRunning:  # none up, and this build does not start one: run here, no warning
                 pass
             except WarmUnavailable as e:
@@ -235,8 +257,10 @@ class WarmProcess:
         if (recorder := trace.recording()) is not None:
             recorder.adopt(outcome.get("events") or [])
         if outcome.get("error") is not None:
-            raise outcome["error"]
-        yield Published(job.key, f"the warm process ({outcome.get('server')})", status=outcome["status"], stamped=True,
+            raise outcome["error"]  # a LostInput among them: the runner rewinds
+        yield Published(job.key, f"the warm process ({outcome.get('server')})", status=outcome["status"],
+                        seconds=outcome.get("seconds") or 0.0, peak_rss=outcome.get("peak_rss"),
+                        written_bytes=outcome.get("written_bytes"), peak_private=outcome.get("peak_private"),
                         span={"warm": outcome.get("server")})
 
 
@@ -252,9 +276,9 @@ class ClusterWorker:
     @contextlib.contextmanager
     def run(self, job: Job) -> Iterator[Outcome]:
         """What the worker published: `ran` when it built the stage, `remote` when it found it
-        built already; where it ran, for how long, and why."""
+        built already; where it ran, and for how long. LostInput where an upstream blob was bad there."""
         work = {"stage": [job.stage.kind, job.stage.method], "key": job.key, "inputs": job.inputs,
-                "upstream": job.upstream, "fingerprint": job.fingerprint, "run": job.run_id}
+                "upstream": job.io.upstream_stamps(), "fingerprint": job.fingerprint, "run": job.run_id}
         outcome = self.hand_off(job.label, work, job.resources())
         worker = outcome.get("worker") or {}
         on = f"{worker.get('host')}:{worker.get('pid')}"
@@ -264,8 +288,9 @@ class ClusterWorker:
                                  str(worker.get("host")), int(worker.get("pid") or 0))
         if outcome.get("status") == "failed":
             raise CudabuildError(f"on worker {worker.get('name')} ({on}): {outcome['error']}")
+        if outcome.get("status") == "lost":
+            raise LostInput(*outcome["producer"], outcome["error"])
         ran = outcome.get("status") == "ran"
         yield Published(job.key, f"on worker {worker.get('name')} ({on})", status="ran" if ran else "remote",
                         seconds=float(outcome.get("seconds") or 0.0) if ran else 0.0,
-                        reason=outcome.get("reason") if ran else None,
                         peak_rss=outcome.get("peak_rss") if ran else None, worker=worker or None)

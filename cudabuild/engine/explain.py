@@ -238,7 +238,7 @@ class _Graphs:
         """A record's outputs by its stage and its digest, or one of its facets."""
         if self._by_digest is None:
             self._by_digest = {}
-            for _, r in self.store.records():
+            for _, r in self.store.actions.records():
                 facets = (r.get("value") or {}).get("facets") if isinstance(r.get("value"), dict) else None
                 for known in (*(facets.values() if isinstance(facets, dict) else ()), r.get("digest")):
                     self._by_digest[(r.get("stage"), known)] = r.get("outputs", {})
@@ -249,7 +249,7 @@ class _Graphs:
         if not sha:
             return None
         try:
-            return json.loads(self.store.read_bytes(sha))
+            return json.loads(self.store.objects.read_bytes(sha))
         except (CudabuildError, ValueError):
             return None
 
@@ -284,7 +284,7 @@ def forecast(runner) -> list[Forecast]:
     graphs = _Graphs(store)
     out = []
     for stage in pipeline.plan(config):
-        decision = runner.decide(stage, read=lambda s: predicted.get(s.id), find=store.locate_record)
+        decision = runner.decide(stage, read=lambda s: predicted.get(s.id), find=store.actions.lookup)
         old = decision.old
         if decision.verdict in ("cached", "restorable"):
             reached = sorted({new_weights.get(s.id) or kept.get(s.id) for s in pipeline.dependencies(stage, config)}
@@ -341,7 +341,7 @@ def not_in_cache(runner, forecasts: list[Forecast]) -> list[str]:
     does not hold: an emptied cache, or another CUDABUILD_CACHE_DIR than the one that built build/."""
     current = {f.stage for f in forecasts if f.verdict == "up to date"}
     stamps = {s.id: runner.read_stamp(s) for s in runner.pipeline.plan(runner.config) if s.id in current}
-    return [sid for sid, stamp in stamps.items() if stamp and runner.store.locate_record(stamp.key)[0] is None]
+    return [sid for sid, stamp in stamps.items() if stamp and runner.store.actions.lookup(stamp.key)[0] is None]
 
 
 def not_cached_words(where: str, missing: int, up_to_date: int) -> str:

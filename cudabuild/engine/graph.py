@@ -48,6 +48,12 @@ class Stage:
     def id(self) -> str:
         return f"{self.kind}.{self.method}" if self.method else self.kind
 
+    @classmethod
+    def parse(cls, stage_id: str) -> "Stage":
+        """The stage an id names ("compile.decode", "package")."""
+        kind, _, method = stage_id.partition(".")
+        return cls(kind, method or None)
+
 
 class Pending(str):
     """A result known only after `stage` has run (a str so it fits in inputs; equal to no real value).
@@ -237,6 +243,18 @@ class Pipeline:
             out += [Stage(kind, m) for m in config.methods] if scope == "*" else [
                 Stage(kind, stage.method if scope == "m" else None)]
         return out
+
+    def checkpoint_digest(self, config: Build, hasher, folder=None, layout: bool = False) -> Optional[dict]:
+        """The digest of `folder` (default: the build's checkpoint), file by file and, for files
+        this pipeline can split, part by part; None without a folder. With `layout`, those parts by
+        what they are, not what they hold (layout_digests: a tensor's dtype and shape). `hasher`:
+        the cache's file-hash memo (cudabuild.engine.hashing.FileHasher)."""
+        folder = Path(folder).expanduser().resolve() if folder else config.checkpoint
+        if not folder:
+            return None
+        if layout:
+            return hasher.tree(folder, parts=self.layout_digests, tag="layout")
+        return hasher.tree(folder, parts=self.content_digests)
 
     def final_outputs(self, stage: Stage) -> bool:
         return self.row(stage).final_outputs

@@ -90,6 +90,19 @@ class FileHasher:
         if sig is not None:
             self._remember(_memo_key("", path), (sig, sha))
 
+    def remembered(self, path: os.PathLike | str) -> Optional[str]:
+        """The sha256 the memo holds for the file as it is now (its stat signature), or None: the
+        file is never read for it."""
+        path = os.path.abspath(path)
+        sig = stat_signature(path)
+        if sig is None:
+            return None
+        try:
+            hit = self._memo.get(_memo_key("", path))
+        except (OSError, sqlite3.Error):  # as _memoised: a miss
+            return None
+        return hit[1] if hit and hit[0] == sig else None
+
     def derived(self, path: os.PathLike | str, tag: str, compute: Callable[[str], Any]) -> Any:
         """`compute(path)`, a value read off the file's content (`tag` names which), memoised like
         the file's hash: under its stat signature, so it is computed once per change of the file."""

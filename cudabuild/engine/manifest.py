@@ -58,7 +58,7 @@ def not_in_cache(store, stages) -> list[str]:
     an emptied cache, or another CUDABUILD_CACHE_DIR than the one that built build/. Such a build
     restored nothing and the cache saved it nothing; a change rebuilds those stages from scratch."""
     return [f"{s['stage']}.{s['method']}" if s["method"] else s["stage"] for s in stages
-            if s["status"] == "cached" and s.get("key") and store.locate_record(s["key"])[0] is None]
+            if s["status"] == "cached" and s.get("key") and store.actions.lookup(s["key"])[0] is None]
 
 
 def write(runner) -> dict:
@@ -68,5 +68,5 @@ def write(runner) -> dict:
     atomic_write_text(build_dir / "manifest.json", json.dumps(data, indent=1, sort_keys=False))
     for method in data["verify"]:  # each verified now: an earlier failure's report is history
         (build_dir / f"verify-{method}.failed.json").unlink(missing_ok=True)
-    runner.store.record_build(data)
+    runner.store.actions.record_build(data)
     return data

@@ -1,7 +1,7 @@
 """The shape of an action record, checked the same way whichever tier it was read from.
 
 A record is `{"stage", "digest", "outputs": {name: sha256}, "finals": [name], "value", "seconds",
-"created"}` (see store.py). The local store and the remote tier both check each record they read
+"created"}` (see action_cache.py). The local store and the remote tier both check each record they read
 with `well_formed` and treat one that fails as a miss, so a damaged record makes its stage run
 again instead of failing a build (a KeyError in a restore) or writing outside build/.
 Imports nothing else from cudabuild: both tiers use it, and neither may import the other for it.

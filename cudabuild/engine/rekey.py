@@ -14,12 +14,12 @@ from cudabuild.engine.hashing import digest
 
 def rekey(runner, stage: Stage) -> bool:
     """Point the stage's stamp, and a record, at its current key. False if already so."""
-    stamp = runner.require_stamp(stage)
+    stamp = runner.stamps.require(stage)
     inputs = runner.inputs(stage)
     key = digest(inputs)
     if key == stamp.key:
         return False
-    runner.store.put_record(key, {"stage": stage.id, "digest": stamp.digest, "outputs": stamp.outputs,
+    runner.store.actions.put_record(key, {"stage": stage.id, "digest": stamp.digest, "outputs": stamp.outputs,
                                   "finals": stamp.finals, "value": stamp.value, "seconds": stamp.seconds})
-    runner.write_stamp(stage, stamp.replace(key=key, inputs=inputs))
+    runner.stamps.write(stage, stamp.replace(key=key, inputs=inputs))
     return True

@@ -102,7 +102,7 @@ def disk_full(error: BaseException, cache: Optional[Path] = None) -> Optional[OS
 
 def full_disk_error(stage: str, error: OSError, cache: Path, build: Optional[Path] = None) -> DiskFull:
     """The one line every stage that meets a full disk says: the cache's writer's words
-    (cudabuild.engine.store), naming the disk that filled. Of the paths the error names (a move
+    (cudabuild.engine.diskcache_rows), naming the disk that filled. Of the paths the error names (a move
     names its source and its destination), one on the cache's disk is the cache's; else one in
     `build` (build/<model>/<target>) is build/'s; else the last one's folder, a compile's."""
     paths = [Path(os.fsdecode(p)) for p in (getattr(error, "filename", None), getattr(error, "filename2", None))

@@ -11,19 +11,20 @@ torch.save archive, a constant in AOTInductor's blob) are entered as raw sha256 
 length); a whole blob is found by its own sha256. A later file whose declared regions are all
 found, and whose glue is small, becomes a manifest of a few hundred bytes a tensor.
 
-Reading: `SpanReader` streams a manifest's bytes (restoring into build/, uploading to a shared
-tier, hashing); a reader that must map a path gets the bytes materialized once beside the store
-(Store.verified_path), a file gc may delete at any time. Every read is checked against the
+Reading: `SpanReader` gives a manifest's bytes as a file, streamed (restoring into build/,
+uploading to a shared tier, hashing) or read at random (a torch.save archive's members); a reader that must map a path gets the bytes materialized once beside the store
+(ObjectStore.verified_path), a file gc may delete at any time. Every read is checked against the
 blob's sha256, as a plain blob's is, so a range whose source changed or went missing is never
 served: the blob reads as missing and its producer runs again.
 
-Owns the manifest format, finding regions and planning a manifest, and the stream. Must not
-touch diskcache (cudabuild.engine.store holds the entries) or anything above the engine.
+Owns the manifest format, finding regions and planning a manifest, and its one reader. Must not
+touch diskcache (cudabuild.engine.object_store holds the entries) or anything above the engine.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import io
 import os
@@ -89,7 +90,7 @@ def region_digests(path, regions: Iterable[tuple[int, int]]) -> list[tuple[int, 
 def digested_regions(path, regions: Iterable[tuple]) -> list[tuple[int, int, str]]:
     """region_digests of `regions`, where a region its producer hashed already comes as
     (offset, length, sha256 or ZEROS) and is taken as it is, not read (it may be a hole: see
-    Store.put_file); in offset order, overlapping ones and those past the file's end left out."""
+    ObjectStore.put_file); in offset order, overlapping ones and those past the file's end left out."""
     regions = list(regions)
     given = {(r[0], r[1]): r[2] for r in regions if len(r) == 3}
     read = region_digests(path, [(r[0], r[1]) for r in regions if len(r) == 2]) if len(given) < len(regions) else []
@@ -245,49 +246,77 @@ def shifted(parts: Sequence[Part], start: int, length: int) -> list[Part]:
 
 
 class SpanReader(io.RawIOBase):
-    """A manifest's bytes as a stream; `open_blob(sha)` opens a plain blob's file (a context manager)."""
+    """A manifest's bytes as a file: streamed in order (restoring into build/, uploading to a shared
+    tier, hashing), or read at random (zipfile finding a torch.save archive's members without the
+    archive written out whole: cudabuild.backend.programs). `open_blob(sha)` opens a plain blob's
+    file for reading; each is opened once, when a part first reads from it."""
 
-    def __init__(self, manifest: dict, open_path: Callable[[str], "io.BufferedReader"]):
+    def __init__(self, manifest: dict, open_blob: Callable[[str], "io.BufferedReader"]):
         super().__init__()
-        self.manifest, self._open_path = manifest, open_path
-        self._parts = iter(manifest["parts"])
-        self._current: Optional[tuple] = None  # (kind, source, left)
+        self.manifest, self._open_blob = manifest, open_blob
+        # Each part as (kind, source, start, length): a blob's sha256 and the offset of the range in
+        # it, a literal's decoded bytes, or zeros; `starts` holds where each begins in the manifest's bytes.
+        self.parts: list[tuple] = []
+        self.starts: list[int] = []
+        at = 0
+        for part in manifest["parts"]:
+            if part[0] == "blob":
+                entry = ("blob", part[1], part[2], part[3])
+            elif part[0] == "zeros":
+                entry = ("zeros", None, 0, part[1])
+            else:
+                data = base64.b64decode(part[1])
+                entry = ("bytes", data, 0, len(data))
+            self.parts.append(entry)
+            self.starts.append(at)
+            at += entry[3]
+        self.size, self.position = at, 0
         self._files: dict[str, io.BufferedReader] = {}
+        self._file_at: dict[str, int] = {}  # where each open file was left: read on without a seek
         self.name = None
 
     def readable(self) -> bool:
         return True
 
-    def _next(self) -> bool:
-        part = next(self._parts, None)
-        if part is None:
-            return False
-        if part[0] == "blob":
-            handle = self._files.get(part[1])
-            if handle is None:
-                handle = self._files[part[1]] = self._open_path(part[1])
-            handle.seek(part[2])
-            self._current = ("blob", handle, part[3])
-        elif part[0] == "zeros":
-            self._current = ("zeros", None, part[1])
-        else:
-            self._current = ("bytes", io.BytesIO(base64.b64decode(part[1])), part_length(part))
+    def seekable(self) -> bool:
         return True
 
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def where(self, offset: int) -> tuple[int, int]:
+        """(the index of the part holding byte `offset`, the offset within it)."""
+        index = bisect.bisect_right(self.starts, offset) - 1
+        return index, offset - self.starts[index]
+
     def readinto(self, buffer) -> int:
-        while self._current is None or self._current[2] == 0:
-            if not self._next():
-                return 0
-        kind, source, left = self._current
-        n = min(len(buffer), left, CHUNK)
+        if self.position >= self.size:
+            return 0
+        index, inner = self.where(self.position)
+        kind, source, start, length = self.parts[index]
+        n = min(len(buffer), length - inner, CHUNK)
         if kind == "zeros":
             buffer[:n] = bytes(n)
+        elif kind == "bytes":
+            buffer[:n] = source[inner:inner + n]
         else:
-            data = source.read(n)
+            handle = self._files.get(source)
+            if handle is None:
+                handle = self._files[source] = self._open_blob(source)
+                self._file_at[source] = -1
+            if self._file_at[source] != start + inner:
+                handle.seek(start + inner)
+            data = handle.read(n)
             if len(data) != n:
                 raise OSError("a blob a span reads from is shorter than the span")
             buffer[:n] = data
-        self._current = (kind, source, left - n)
+            self._file_at[source] = start + inner + n
+        self.position += n
         return n
 
     def close(self) -> None:

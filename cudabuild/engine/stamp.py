@@ -1,12 +1,16 @@
 """A stage's stamp: build/<model>/<target>/.stamps/<stage id>.json, what the last run or restore of
 that stage in this build directory recorded.
 
-The one reader and the one writer of stamps. A stamp holds the stage's action key and the inputs
-that key was computed from (how `explain` names what changed), the stage's semantic digest, its
-outputs' blob hashes (which of them were placed in build/: `finals`), its value, and how and when
-it was brought up to date. Everything else (the runner, explain, the manifest, the cache tools,
-autotune pinning) reads stamps through this class. A stamp that cannot be read (damaged, written
-by an incompatible cudabuild) is treated as absent: its stage is decided again from the store.
+The one reader and the one writer of stamps (`Stamps`: a build directory's). A stamp holds the
+stage's action key and the inputs that key was computed from (how `explain` names what changed),
+the stage's semantic digest, its outputs' blob hashes (which of them were placed in build/:
+`finals`), its value, and how and when it was brought up to date. Everything else (the runner, a
+stage's I/O, explain, the manifest, the cache tools, autotune pinning) reads stamps through these
+classes. A stamp that cannot be read (damaged, written by an incompatible cudabuild) is treated as
+absent: its stage is decided again from the store.
+
+Owns the stamp's format and its file. Must not touch: what a stamp should say (the runner decides
+that), the store.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
+from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write_text
-from cudabuild.engine.graph import Result
+from cudabuild.engine.graph import Result, Stage
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,40 @@ class Stamp:
 
 def stamps_dir(build_dir: Path) -> Path:
     return build_dir / ".stamps"
+
+
+@dataclass(frozen=True)
+class Stamps:
+    """The stamps of one build directory (build/<model>/<target>/, which `build` names as
+    "model/target" in messages): read by whoever decides a stage or reads its upstream outputs,
+    written by whoever brings a stage up to date."""
+
+    build_dir: Path
+    build: str
+
+    @classmethod
+    def of(cls, config) -> "Stamps":
+        """The stamps of a build (a cudabuild.engine.graph.Build)."""
+        return cls(config.build_dir, f"{config.model}/{config.target}")
+
+    def path(self, stage: Stage) -> Path:
+        return stamps_dir(self.build_dir) / f"{stage.id}.json"
+
+    def read(self, stage: Stage) -> Optional[Stamp]:
+        return Stamp.load(self.path(stage))
+
+    def result(self, stage: Stage) -> Optional[Result]:
+        stamp = self.read(stage)
+        return stamp.result if stamp else None
+
+    def require(self, stage: Stage) -> Stamp:
+        stamp = self.read(stage)
+        if stamp is None:
+            raise CudabuildError(f"stage {stage.id} has not been built yet for {self.build}")
+        return stamp
+
+    def write(self, stage: Stage, stamp: Stamp) -> None:
+        stamp.save(self.path(stage))
 
 
 def all_stamps(project: Path) -> Iterator[tuple[str, Stamp]]:

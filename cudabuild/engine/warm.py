@@ -258,21 +258,7 @@ def _receive(conn: socket.socket) -> bytes:
     handler in the main thread when it executes, and the kernel may hand the signal (Ctrl-C) to
     another thread of this process, which leaves a blocking recv asleep until the answer comes."""
     conn.settimeout(WAKE_SECONDS)
-
-    def exactly(size: int) -> bytes:
-        chunks, left = [], size
-        while left:
-            try:
-                chunk = conn.recv(min(left, 1 << 20))
-            except socket.timeout:
-                continue
-            if not chunk:
-                raise EOFError("the other end hung up")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-    return exactly(warm_server.HEADER.unpack(exactly(warm_server.HEADER.size))[0])
+    return warm_server.receive(conn)
 
 
 def hang_up(conn: socket.socket, seconds: float = HANG_UP_SECONDS) -> bool:

@@ -81,14 +81,20 @@ SERVER_PID = 0
 
 
 def receive(conn: socket.socket) -> bytes:
-    size = HEADER.unpack(_exactly(conn, HEADER.size))[0]
-    return _exactly(conn, size)
+    """One framed message (HEADER, then that many bytes)."""
+    return exactly(conn, HEADER.unpack(exactly(conn, HEADER.size))[0])
 
 
-def _exactly(conn: socket.socket, size: int) -> bytes:
+def exactly(conn: socket.socket, size: int) -> bytes:
+    """`size` bytes from the socket; EOFError when the other end hangs up first. A socket given a
+    timeout (the caller's, which wakes to run its signal handlers: cudabuild.engine.warm) reads on
+    after each one."""
     chunks, left = [], size
     while left:
-        chunk = conn.recv(min(left, 1 << 20))
+        try:
+            chunk = conn.recv(min(left, 1 << 20))
+        except socket.timeout:
+            continue
         if not chunk:
             raise EOFError("the other end hung up")
         chunks.append(chunk)
@@ -158,9 +164,9 @@ def _serve_call(conn: socket.socket) -> None:
         if not message:
             os._exit(0)  # a caller that connected and left
         if len(message) < HEADER.size:
-            message += _exactly(conn, HEADER.size - len(message))
+            message += exactly(conn, HEADER.size - len(message))
         size = HEADER.unpack(message)[0]
-        call = pickle.loads(_exactly(conn, size))
+        call = pickle.loads(exactly(conn, size))
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -182,7 +188,7 @@ def _serve_call(conn: socket.socket) -> None:
         try:
             result = {"value": getattr(importlib.import_module(module), function)(call["payload"])}
         except BaseException as e:  # handed to the caller, which raises it there
-            result = {"error": _picklable(e), "traceback": traceback.format_exc()}
+            result = {"error": picklable(e), "traceback": traceback.format_exc()}
         _answered.set()
         if _caller_left.is_set():  # interrupted, and unwound: no one to answer
             _end_group()
@@ -198,12 +204,14 @@ def _serve_call(conn: socket.socket) -> None:
     os._exit(0)
 
 
-def _picklable(error: BaseException):
+def picklable(error: BaseException, otherwise=None):
+    """The error, where it survives a trip through pickle (its class can be rebuilt from its
+    args), else `otherwise`: what crosses the socket in its place."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:
-        return None
+        return otherwise
 
 
 def main() -> None:

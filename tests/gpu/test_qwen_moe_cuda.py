@@ -58,7 +58,7 @@ def _bundle_model(project):
     folder = Path(tempfile.mkdtemp(prefix="bundle-"))
     store = Store(project.cache)
     for name, sha in stamp["outputs"].items():
-        (folder / name).symlink_to(store.verified_path(sha))
+        (folder / name).symlink_to(store.objects.verified_path(sha))
     model = qwen35_moe.load(manifest["options"], folder)
     _move_to_cuda(model, model.config)
     return model.eval(), manifest["options"]

@@ -96,7 +96,7 @@ def run(ctx) -> StageResult:
     compute = getattr(torch, expected["computed_in"])
     so = ctx.fetch("blob", method, "model.so", ctx.workdir / "model.so")
     # A file of the weights blob while the compiled code runs and a mismatch is located: the
-    # store's own, or a copy of one it keeps as ranges of others, gone after (Store.blob_file).
+    # store's own, or a copy of one it keeps as ranges of others, gone after (ObjectStore.blob_file).
     with ctx.blob_file("blob", method, "weights.blob") as blob:
         return _judge_outputs(ctx, method, inputs, outputs, compute, so, blob, device)
 

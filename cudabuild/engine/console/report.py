@@ -1,6 +1,6 @@
 """`cudabuild report`: how long the last builds of a model took, stage by stage.
 
-Reads the store's build log (every finished build's manifest: cudabuild.engine.store.Store.record_build) and
+Reads the store's build log (every finished build's manifest: cudabuild.engine.action_cache.ActionCache.record_build) and
 prints a line per build (its number, time, target and settings: the options, and the specs that are
 not the same in every build shown, so that builds of other settings are told apart), then one column
 per build, one row per stage: its seconds and status, each in a sub-column of its own so that they

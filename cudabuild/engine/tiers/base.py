@@ -293,7 +293,8 @@ class BlobStore(Protocol):
 class Tier(abc.ABC):
     """One shared tier behind the local store: records, blobs and build leases on one server.
 
-    The store reads through it and writes back to it (cudabuild.engine.store), the runner leases
+    The object store and the action cache read through it and write back to it (cudabuild.engine.object_store,
+    action_cache), the runner leases
     keys on it (executors.InProcess.claim), `cache stats`, `cache gc --remote` and nightly.json inspect it. A
     call that cannot reach the server returns what a miss returns (None, False, NoLease), after one
     warning; no call raises for the server's sake. `where` names it in messages, without a password.
@@ -391,9 +392,9 @@ def push_store(store, tier: Optional[Tier] = None) -> int:
     Redis from a machine that already built). Returns how many records were published."""
     tier = tier or store.remote
     published = 0
-    for key, record in store.records():
-        if store.push(key, record, tier):
+    for key, record in store.actions.records():
+        if store.actions.push(key, record, tier):
             published += 1
-    for key, record in store.shared_docs():  # what the recipes declare: a fresh machine needs no torch
+    for key, record in store.actions.shared_docs():  # what the recipes declare: a fresh machine needs no torch
         tier.put_record(key, record)
     return published

@@ -7,7 +7,7 @@ on arrival, records in their signed envelopes (base.seal), per-key build leases 
 and degrading to the local cache alone when Redis fails (base.Degrading: a failed call is a miss,
 3 in a row or an auth failure give Redis up for the process with one warning, then no more network
 calls). With CUDABUILD_REMOTE_BLOBS set, blobs go to that store (s3/blobs.py) and
-Redis keeps the records and leases. It never touches the local store or build/: store.py decides
+Redis keeps the records and leases. It never touches the local store or build/: the object store and the action cache decide
 what to copy where, runner.py when to lease. `redis` is imported on the first call that talks to
 the server, not before.
 

@@ -1,4 +1,5 @@
-"""`cudabuild cache gc --remote --max-size SIZE [--keep-days N]`: bound the object store's blobs.
+"""Bounding an S3 tier's blobs: what `cudabuild cache gc --remote --max-size SIZE [--keep-days N]`
+does to the tier (the command, its arguments and its words are cudabuild.engine.cache_admin's).
 
 Evicts least-recently-used blobs from the tier's object store (blobs.py) until the blobs
 there take at most SIZE, and never one that a record younger than N days names, nor one used in the
@@ -11,8 +12,9 @@ last hour (a builder may have uploaded it and not yet published the record that 
   blob is harmless: builders treat it as a miss, rebuild, and publish it again.
 - Redis-held blobs are not this module's business: Redis evicts them itself (maxmemory-policy).
 
-It reads the tier through its own calls (records: Tier.young_records) and the bucket's objects;
-it never touches the local store.
+It reads the tier through its own calls (records: Tier.young_records) and the bucket's objects.
+Owns what an S3 tier's gc evicts. Must not touch: the local store, or anything above the tiers (it imports no cache_admin: the
+arrow goes down, from the command to the tier).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from cudabuild.errors import InvalidRemote
-from cudabuild.engine.tiers.base import BLOBS_ENV, REMOTE_ENV
 
 GRACE_SECONDS = 3600
 DEFAULT_KEEP_DAYS = 7.0
@@ -46,18 +47,6 @@ class RemoteGcReport:
     def after(self) -> int:
         return self.before - self.evicted_bytes
 
-    def lines(self) -> list[str]:
-        from cudabuild.engine.cache_admin import format_bytes, plural
-
-        out = [f"remote {self.where}: {plural(self.blobs, 'blob')}, {format_bytes(self.before)}; "
-               f"{'would evict' if self.dry_run else 'evicted'} {plural(len(self.evicted), 'blob')} "
-               f"({format_bytes(self.evicted_bytes)}), {'then' if self.dry_run else 'now'} {format_bytes(self.after)} "
-               f"of {format_bytes(self.limit)}"]
-        if self.after > self.limit:
-            out.append(f"still over the limit: {plural(self.pinned, 'blob')} named by records younger than the kept "
-                       f"days and {plural(self.recent, 'blob')} used in the last hour are never evicted")
-        return out
-
 
 def _named(raws: list[bytes]) -> set[str]:
     shas = set()
@@ -68,19 +57,6 @@ def _named(raws: list[bytes]) -> set[str]:
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # unreadable: it pins nothing (builders ignore it too)
     return shas
-
-
-def command(max_size: Optional[str], keep_days: float, dry_run: bool = False) -> list[str]:
-    """`cudabuild cache gc --remote`: the tier the environment names, bounded to --max-size."""
-    from cudabuild.engine.cache_admin import parse_size
-    from cudabuild.engine.tiers import factory
-
-    if not max_size:
-        raise InvalidRemote("cache gc --remote needs --max-size SIZE (what the object store's blobs may take)")
-    tier = factory.from_env()
-    if tier is None:
-        raise InvalidRemote(f"cache gc --remote needs the shared tier: set {REMOTE_ENV} (and {BLOBS_ENV})")
-    return gc_remote(tier, parse_size(max_size, "--max-size"), keep_days, dry_run=dry_run).lines()
 
 
 def gc_remote(tier, max_bytes: int, keep_days: float = DEFAULT_KEEP_DAYS, now: Optional[float] = None,
