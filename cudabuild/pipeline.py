@@ -40,7 +40,7 @@ from __future__ import annotations
 from cudabuild.backend import toolchain
 from cudabuild.backend.tuning import pinned_digest
 from cudabuild.engine.graph import KeyContext, Pipeline, Stage, StageKind
-from cudabuild.models import safetensors_parts
+from cudabuild.formats import safetensors_parts
 from cudabuild.specs import compile_keeps_weights_on_host, specs_for_stage, times_kernels
 
 STAGES = "cudabuild.backend.stages."

@@ -20,7 +20,7 @@ from typing import Optional
 from cudabuild import options as option_table
 from cudabuild.errors import InvalidConfig, RecipeError, UnknownModel
 from cudabuild.engine.hashing import FileHasher, code_digest, digest
-from cudabuild.models.safetensors_parts import header_digest
+from cudabuild.formats.safetensors_parts import header_digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
 DESCRIPTION_VERSION = 5

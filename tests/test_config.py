@@ -180,7 +180,7 @@ def checkpoints(tmp_path_factory):
     """Real tiny checkpoints, one per class of damage (written by cudabuild.models.checkpoint)."""
     import torch
 
-    from cudabuild.models.safetensors_parts import read_raw_header
+    from cudabuild.formats.safetensors_parts import read_raw_header
 
     root = tmp_path_factory.mktemp("checkpoints")
     good = tiny_checkpoint(root / "good")

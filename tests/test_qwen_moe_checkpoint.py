@@ -12,7 +12,7 @@ import torch
 
 from cudabuild.models import qwen35_moe_hf as hf
 from cudabuild.models import qwen_moe_checkpoint as qc
-from cudabuild.models import safetensors_parts
+from cudabuild.formats import safetensors_parts
 
 PREFIX = hf.PREFIX
 

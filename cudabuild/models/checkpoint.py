@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write
-from cudabuild.models.safetensors_parts import HeaderError, checked_header, read_raw_header
+from cudabuild.formats.safetensors_parts import HeaderError, checked_header, read_raw_header
 
 PathLike = Union[str, os.PathLike]
 

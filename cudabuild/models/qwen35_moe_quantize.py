@@ -60,7 +60,7 @@ def check_bundle(folder: Path) -> None:
     """A stock CUDA bundle: config.json, and a model.safetensors whose header says how to rebuild
     its tensor subclasses (torchao's `tensor_names`, or the legacy `quantization`)."""
     from cudabuild.errors import InvalidOption
-    from cudabuild.models.safetensors_parts import METADATA, HeaderError, read_raw_header
+    from cudabuild.formats.safetensors_parts import METADATA, HeaderError, read_raw_header
 
     for name in (CONFIG, BUNDLE):
         if not (folder / name).is_file():
@@ -310,7 +310,7 @@ def _flattened(prefix: str, module) -> tuple[dict, dict]:
 
 def quantize_streamed(options: Mapping[str, Any], config, path: Path, device: str) -> dict:
     """Make, quantize and write every part in turn; the bundle at `path`. Returns what it measured."""
-    from cudabuild.models.safetensors_stream import SafetensorsStream
+    from cudabuild.formats.safetensors_stream import SafetensorsStream
 
     names: list[str] = []
     started = time.monotonic()

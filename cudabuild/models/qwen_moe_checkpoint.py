@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from cudabuild.models.safetensors_parts import HeaderError, checked_header
+from cudabuild.formats.safetensors_parts import HeaderError, checked_header
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

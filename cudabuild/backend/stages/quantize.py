@@ -18,7 +18,7 @@ from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import digest, sha256_file
-from cudabuild.models.safetensors_parts import tensor_layouts, tensor_regions
+from cudabuild.formats.safetensors_parts import tensor_layouts, tensor_regions
 
 
 def run(ctx) -> StageResult:
