@@ -1,5 +1,5 @@
-"""Tests for cudabuild/models/checkpoint.py: the safetensors reader and writer; and loading a Hugging
-Face checkpoint of the tiny qwen_moe (written by cudabuild/models/qwen35_moe_hf.py) through the one
+"""Tests for tests/_checkpoint.py: the safetensors reader and writer; and loading a Hugging
+Face checkpoint of the tiny qwen_moe (written by tests/_qwen35_moe_hf.py) through the one
 loader both forms use, ExecuTorch's lazy subset reader a part at a time (qwen35_moe_quantize
 `weight_parts`), into the CPU form."""
 
@@ -12,10 +12,10 @@ import struct
 import pytest
 import torch
 
-from cudabuild.models import checkpoint as ck
-from cudabuild.models import qwen35_moe_hf as hf
+import _checkpoint as ck
+import _qwen35_moe_hf as hf
 from cudabuild.models import qwen35_moe_plain as plain
-from cudabuild.models.checkpoint import CheckpointError
+from _checkpoint import CheckpointError
 
 PREFIX = hf.PREFIX
 

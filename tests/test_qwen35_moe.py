@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _qwen35_moe_stock_quantize as stock
 from conftest import REPO
 from cudabuild.backend import custom_ops, sampled_logits
 from cudabuild.config import load_config
@@ -72,8 +73,8 @@ def test_the_bundle_holds_the_quantized_weights_and_no_runtime_state(bundle):
     assert not [k for k in saved if any(m in k for m in quant.RUNTIME_BUFFERS)]
     config = quant.model_config(OPTIONS)
     again = quant.seeded_model(config, OPTIONS["seed"])
-    quant.quantize_model(again, config, OPTIONS, "cpu")
-    fresh = dict(quant.weights(again))
+    stock.quantize_model(again, config, OPTIONS, "cpu")
+    fresh = dict(stock.weights(again))
     assert sorted(fresh) == sorted(saved)
     for name in ("layers.0.mlp.experts.w1", "layers.1.attn.qkv_proj.weight", "lm_head.weight", "embed_tokens.weight"):
         a, b = fresh[name], saved[name]
@@ -266,7 +267,7 @@ def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_doe
     its bundle holds exactly what the stock whole-model path makes of the same checkpoint."""
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"), shards=2, seed=3)
     options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
@@ -274,8 +275,8 @@ def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_doe
     quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")
     whole, _ = Qwen35MoE.from_hf_checkpoint(str(tmp_path / "ckpt"), max_seq_len=64)
     whole = quant._frozen(whole.to(torch.bfloat16))
-    quant.quantize_model(whole, config, options, "cpu")
-    want = {n: _inner(t) for n, t in quant.weights(whole)}
+    stock.quantize_model(whole, config, options, "cpu")
+    want = {n: _inner(t) for n, t in stock.weights(whole)}
     got = _bundle_tensors(tmp_path / "streamed.safetensors")
     assert sorted(got) == sorted(want)
     assert [n for n in want if not _same(got[n], want[n])] == []
@@ -369,7 +370,7 @@ def test_a_checkpoint_of_new_values_keeps_the_trace_key_and_one_of_another_layou
     bytes nor its folder's path: a nightly's next checkpoint, wherever it lies, traces nothing;
     export keys on its content. (Real checkpoints in the released naming; a real Runner's keys.)"""
     from cudabuild.engine.runner import Runner
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     def keys(folder) -> tuple[str, str]:
         runner = Runner(load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(folder)}, store),

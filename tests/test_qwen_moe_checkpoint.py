@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from cudabuild.models import qwen35_moe_hf as hf
+import _qwen35_moe_hf as hf
 from cudabuild.models import qwen_moe_checkpoint as qc
 from cudabuild.formats import safetensors_parts
 

@@ -1,4 +1,4 @@
-"""Tests for cudabuild/models/qwen35_moe_hf.py (Hugging Face checkpoints of Qwen3.5-MoE, written), and
+"""Tests for tests/_qwen35_moe_hf.py (Hugging Face checkpoints of Qwen3.5-MoE, written), and
 the parity of qwen_moe's CPU form with transformers' Qwen3.5-MoE on the released naming.
 
 The parity test needs transformers 5 (its `qwen3_5_moe` model; `scripts/bootstrap.sh --test`
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudabuild.models import qwen35_moe_hf as hf
+import _qwen35_moe_hf as hf
 from cudabuild.models import qwen35_moe_plain as plain
 from cudabuild.models import qwen35_moe_quantize as quant
 
@@ -25,7 +25,7 @@ def test_the_written_config_reads_back_as_the_sizes_config(tmp_path):
 
 def test_a_written_checkpoint_holds_exactly_the_implied_tensors_in_its_dtype(tmp_path):
     folder = hf.save(tmp_path / "ckpt", hf.config_json(dtype="bfloat16"), fused=False, shards=2)
-    from cudabuild.models import checkpoint as ck
+    import _checkpoint as ck
 
     tensors = {}
     for shard in sorted(folder.glob("*.safetensors")):

@@ -10,7 +10,7 @@ import torch
 
 from cudabuild.engine import explain
 from cudabuild.engine.hashing import FileHasher
-from cudabuild.models import checkpoint
+import _checkpoint as checkpoint
 from cudabuild.formats.safetensors_parts import tensor_digests, tensor_layouts
 from cudabuild.pipeline import PIPELINE
 

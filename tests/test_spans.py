@@ -126,7 +126,7 @@ def test_an_exported_programs_weight_files_kept_as_ranges_of_a_bundle_are_mapped
     import torch
 
     from cudabuild.backend.programs import archive_regions, load_program, save_program
-    from cudabuild.models.checkpoint import save_file
+    from _checkpoint import save_file
     from cudabuild.formats.safetensors_parts import tensor_regions
 
     torch.manual_seed(0)

@@ -139,7 +139,7 @@ def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_pat
     import copy
 
     from cudabuild.backend import custom_ops
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
     from cudabuild.models import qwen35_moe_plain as plain
     from cudabuild.models import qwen35_moe_quantize as quant
     from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _quantize_experts_int4

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints of Qwen3.5-MoE, written: a config.json for a named size, and random tensors
-under Hugging Face's names and shapes, for tests and benchmarks.
+under Hugging Face's names and shapes, for tests and benchmarks (no build writes one).
 
 Owns the writing side only. What a checkpoint must hold is the table's (cudabuild/models/
 qwen_moe_checkpoint.py: the tensors are exactly those its `expected_tensors` implies, so a written
@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from cudabuild.models import checkpoint, qwen35_moe_quantize
+import _checkpoint as checkpoint
+from cudabuild.models import qwen35_moe_quantize
 from cudabuild.models import qwen_moe_checkpoint as fields
 
 PREFIX = "model.language_model."  # Qwen3.5's multimodal checkpoints keep the text tower here
