@@ -142,12 +142,12 @@ def analyse(project: Path, cache: Path, options: dict, stamps: dict, result: dic
     import torch
 
     from cudabuild.engine.store import Store
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
 
     store = Store(cache)
     model = eager_model(project, cache, options)
-    methods = {"decode": (qwen35_moe.prepare_decode, qwen35_moe.decode_steps(model)),
-               "prefill": (qwen35_moe.prepare_prefill, qwen35_moe.prefill_steps(model))}
+    methods = {"decode": (qwen35_moe_cuda.prepare_decode, qwen35_moe_cuda.decode_steps(model)),
+               "prefill": (qwen35_moe_cuda.prepare_prefill, qwen35_moe_cuda.prefill_steps(model))}
     runs: dict = {m: {} for m in methods}
     for method, (prepare, steps) in methods.items():
         prepare(model, options)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import _checkpoint as checkpoint  # noqa: E402
 import _qwen35_moe_hf as qwen35_moe_hf  # noqa: E402
-from cudabuild.models import qwen35_moe_quantize  # noqa: E402
+from cudabuild.models import qwen35_moe_sizes  # noqa: E402
 from cudabuild.engine.files import atomic_write_text  # noqa: E402
 
 PREFIX = qwen35_moe_hf.PREFIX
@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--layers", type=int, default=5)
-    parser.add_argument("--size", default="35b-a3b", choices=tuple(qwen35_moe_quantize.SIZES))
+    parser.add_argument("--size", default="35b-a3b", choices=tuple(qwen35_moe_sizes.SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--info", type=Path, help="also write what was written (bytes, shards, seconds) here, as JSON")
     args = parser.parse_args()

@@ -7,7 +7,7 @@
     doit export model=qwen_moe prequantized=/models/qwen35_moe_quantized target=cuda
 
 The model is ExecuTorch's (executorch.examples.models.qwen3_5_moe.model.Qwen35MoE) on every target.
-On cuda (cudabuild/models/qwen35_moe.py) it is quantized once by the quantize stage (int4 experts
+On cuda (cudabuild/models/qwen35_moe_cuda.py) it is quantized once by the quantize stage (int4 experts
 for ExecuTorch's fused MoE kernel, torchao int4 linears), runs on ExecuTorch's Triton kernels and
 is exported as its exporter does (`decode` and `prefill`, each `(tokens, input_pos, temperature)
 -> sampled token [1, 1]`), the artifact its runner runs. Elsewhere (the CPU), the modules that call
@@ -18,7 +18,7 @@ token's logits [1, V]`, the forward ExecuTorch binds for backends that sample on
 
 Both forms take their weights from one place (the size's seeded draw of the stock --tiny-test, or a
 Hugging Face checkpoint through ExecuTorch's lazy subset reader: cudabuild/models/
-qwen35_moe_quantize.py `weight_parts`) and check a checkpoint against one table of config.json's
+qwen35_moe_weights.py `weight_parts`) and check a checkpoint against one table of config.json's
 fields before any stage (cudabuild/models/qwen_moe_checkpoint.py). tests/test_qwen_moe.py checks on
 the CPU that the transformed model computes what ExecuTorch's model computes with its Triton ops
 answered in fp32; tests/gpu/test_qwen_moe_cuda.py compares it with ExecuTorch's Triton kernels.
@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 
-from cudabuild.models import qwen35_moe, qwen35_moe_fp32, qwen35_moe_plain, qwen35_moe_quantize
+from cudabuild.models import (qwen35_moe, qwen35_moe_cuda, qwen35_moe_fp32, qwen35_moe_plain, qwen35_moe_quantize,
+                              qwen35_moe_sizes)
 from cudabuild.options import Option
 from cudabuild.recipe import Lowering, Method, Quantize, Recipe, Sampler
 
@@ -41,7 +42,7 @@ CPU_ONLY, CUDA_ONLY = ("cpu",), ("cuda",)
 # Every option of both forms, once: its type (its default's), range or choices, and the targets it
 # applies to (none named: both). A value for an option of the other form is refused up front.
 OPTIONS = (
-    Option("size", "tiny", choices=tuple(qwen35_moe_quantize.SIZES),
+    Option("size", "tiny", choices=tuple(qwen35_moe_sizes.SIZES),
            help="a named size: tiny (the stock --tiny-test config) or 35b-a3b; random weights"),
     Option("layers", 0, minimum=0, meaning={0: "every layer"}, help="keep only the first layers"),
     Option("checkpoint", "", folder=True, hub=True,
@@ -67,13 +68,13 @@ resolve = functools.partial(qwen35_moe.resolve, defaults={o.name: o.default for 
 # ExecuTorch's Qwen3.5-MoE on its CUDA backend, as its export.py builds it.
 CUDA_FORM = Recipe(
     build=None,
-    quantize=Quantize(run=qwen35_moe_quantize.quantize, load=qwen35_moe.load, truth=qwen35_moe_fp32.truth,
+    quantize=Quantize(run=qwen35_moe_quantize.quantize, load=qwen35_moe_cuda.load, truth=qwen35_moe_fp32.truth,
                       options=qwen35_moe.QUANTIZE_OPTIONS, folders=qwen35_moe.QUANTIZE_FOLDERS),
     methods=(
-        Method("decode", inputs=qwen35_moe.decode_inputs, prepare=qwen35_moe.prepare_decode,
-               verify_steps=qwen35_moe.decode_steps, sampler=Sampler(temperature_input=2)),
-        Method("prefill", inputs=qwen35_moe.prefill_inputs, dynamic_shapes=qwen35_moe.prefill_shapes,
-               prepare=qwen35_moe.prepare_prefill, verify_steps=qwen35_moe.prefill_steps,
+        Method("decode", inputs=qwen35_moe_cuda.decode_inputs, prepare=qwen35_moe_cuda.prepare_decode,
+               verify_steps=qwen35_moe_cuda.decode_steps, sampler=Sampler(temperature_input=2)),
+        Method("prefill", inputs=qwen35_moe_cuda.prefill_inputs, dynamic_shapes=qwen35_moe_cuda.prefill_shapes,
+               prepare=qwen35_moe_cuda.prepare_prefill, verify_steps=qwen35_moe_cuda.prefill_steps,
                sampler=Sampler(temperature_input=2)),
     ),
     options=OPTIONS,
@@ -91,7 +92,7 @@ CUDA_FORM = Recipe(
     constant_methods=qwen35_moe.metadata,
     strict_export=True,
     weights_options=("seed",),
-    weights_bytes=qwen35_moe.weights_bytes,
+    weights_bytes=qwen35_moe_cuda.weights_bytes,
     lowering=Lowering(skip_dim_order=True, do_quant_fusion_and_const_prop=True, alloc_graph_input=False,
                       emit_mutable_buffer_names=True),
 )
@@ -108,5 +109,5 @@ RECIPE = Recipe(
     constant_methods=qwen35_moe.metadata,
     targets={"cuda": CUDA_FORM},
     weights_options=("seed",),
-    weights_bytes=qwen35_moe.plain_weights_bytes,
+    weights_bytes=qwen35_moe_plain.weights_bytes,
 )

@@ -6,7 +6,7 @@ shape, data_offsets}} with an optional `__metadata__`, then the raw bytes) and o
 directory, and the reading of one file through the `safetensors` library with a header check that
 names what is wrong with a file the library refuses. Must not touch: a model, a build. Nothing in
 the package uses it: a build reads a checkpoint through ExecuTorch's loader (cudabuild/models/
-qwen35_moe_quantize.py `weight_parts`) and its headers through cudabuild/formats/safetensors_parts.py.
+qwen35_moe_weights.py `weight_parts`) and its headers through cudabuild/formats/safetensors_parts.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from typing import Any, Mapping
 
 import torch
 
-from cudabuild.models.qwen35_moe_quantize import RUNTIME_BUFFERS, _release
+from cudabuild.models.qwen35_moe_quantize import _release
+from cudabuild.models.qwen35_moe_weights import RUNTIME_BUFFERS
 
 
 def _on(module, device: str, dtype=None) -> None:

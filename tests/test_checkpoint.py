@@ -1,6 +1,6 @@
 """Tests for tests/_checkpoint.py: the safetensors reader and writer; and loading a Hugging
 Face checkpoint of the tiny qwen_moe (written by tests/_qwen35_moe_hf.py) through the one
-loader both forms use, ExecuTorch's lazy subset reader a part at a time (qwen35_moe_quantize
+loader both forms use, ExecuTorch's lazy subset reader a part at a time (qwen35_moe_weights
 `weight_parts`), into the CPU form."""
 
 from __future__ import annotations

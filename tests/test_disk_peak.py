@@ -115,9 +115,9 @@ def test_a_cold_build_never_holds_its_weights_more_than_twice(project, tmp_path)
 def test_a_build_that_cannot_fit_is_refused_before_its_first_stage(project):
     """qwen_moe's CPU form at 35b-a3b keeps its weights in bf16, about 70 GB at 40 layers: on a disk
     with less than 2.2 times that free, the build stops in one line before anything runs."""
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_plain
 
-    need = 2.2 * qwen35_moe.plain_weights_bytes({"size": "35b-a3b", "layers": 0})
+    need = 2.2 * qwen35_moe_plain.weights_bytes({"size": "35b-a3b", "layers": 0})
     if shutil.disk_usage(project.root.parent).free >= need:
         pytest.skip("this disk could hold a 35b-a3b CPU build")
     result = project.export("model=qwen_moe", "size=35b-a3b", "target=cpu")

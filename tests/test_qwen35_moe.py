@@ -23,7 +23,9 @@ from cudabuild.engine.graph import Result, Stage
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.store import Store
 from cudabuild.models import qwen35_moe as q
+from cudabuild.models import qwen35_moe_cuda as cuda
 from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.models import qwen35_moe_weights as weights
 from cudabuild.pipeline import PIPELINE
 from cudabuild.options import defaults as option_defaults
 from cudabuild.registry import load_recipe
@@ -42,14 +44,14 @@ def bundle(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def model(bundle):
     custom_ops.register("cuda")  # the Triton ops its forward calls, as the export stage registers them
-    return q.load(OPTIONS, bundle)
+    return cuda.load(OPTIONS, bundle)
 
 
 @pytest.fixture(scope="module")
 def decode(model):
-    q.prepare_decode(model, OPTIONS)
+    cuda.prepare_decode(model, OPTIONS)
     with torch.no_grad():
-        return torch.export.export(model, q.decode_inputs(model), strict=True)
+        return torch.export.export(model, cuda.decode_inputs(model), strict=True)
 
 
 def test_the_bundle_is_the_stock_format_and_the_stock_loader_reads_it(bundle):
@@ -70,9 +72,9 @@ def test_the_bundle_holds_the_quantized_weights_and_no_runtime_state(bundle):
     from executorch.examples.models.qwen3_5_moe.quantize_and_save import load_quantized_state_dict
 
     saved = load_quantized_state_dict(str(bundle / "model.safetensors"))
-    assert not [k for k in saved if any(m in k for m in quant.RUNTIME_BUFFERS)]
-    config = quant.model_config(OPTIONS)
-    again = quant.seeded_model(config, OPTIONS["seed"])
+    assert not [k for k in saved if any(m in k for m in weights.RUNTIME_BUFFERS)]
+    config = weights.model_config(OPTIONS)
+    again = weights.seeded_model(config, OPTIONS["seed"])
     stock.quantize_model(again, config, OPTIONS, "cpu")
     fresh = dict(stock.weights(again))
     assert sorted(fresh) == sorted(saved)
@@ -234,7 +236,7 @@ def test_the_adopted_bundle_is_loaded_where_it_lies(bundle, tmp_path):
     written = quant.quantize(dict(OPTIONS, prequantized=str(bundle)), tmp_path, "cpu")
     assert list(written) == [quant.ADOPTED]
     assert json.loads(written[quant.ADOPTED].read_text()) == {"folder": str(bundle.resolve())}
-    loaded = q.load(dict(OPTIONS, prequantized=str(bundle)), tmp_path)
+    loaded = cuda.load(dict(OPTIONS, prequantized=str(bundle)), tmp_path)
     assert loaded.config.num_hidden_layers == 4
 
 
@@ -252,7 +254,7 @@ def test_drawn_weights_are_the_same_tensors_whatever_the_number_of_layers(tmp_pa
     """Past the tiny size each tensor is drawn by its own generator (seed, name), a part at a time:
     a cut model's bundle holds the first layers of the whole one's, and a second run the same bytes."""
     options = dict(OPTIONS, size="35b-a3b")  # the drawn path, at the tiny shapes of `config` below
-    full, cut = quant.model_config(OPTIONS), quant.model_config(dict(OPTIONS, layers=2))
+    full, cut = weights.model_config(OPTIONS), weights.model_config(dict(OPTIONS, layers=2))
     quant.quantize_streamed(options, full, tmp_path / "full.safetensors", "cpu")
     quant.quantize_streamed(options, full, tmp_path / "again.safetensors", "cpu")
     quant.quantize_streamed(dict(options, layers=2), cut, tmp_path / "cut.safetensors", "cpu")
@@ -271,10 +273,10 @@ def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_doe
 
     qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"), shards=2, seed=3)
     options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
-    config = quant.model_config(options)
+    config = weights.model_config(options)
     quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")
     whole, _ = Qwen35MoE.from_hf_checkpoint(str(tmp_path / "ckpt"), max_seq_len=64)
-    whole = quant._frozen(whole.to(torch.bfloat16))
+    whole = weights._frozen(whole.to(torch.bfloat16))
     stock.quantize_model(whole, config, options, "cpu")
     want = {n: _inner(t) for n, t in stock.weights(whole)}
     got = _bundle_tensors(tmp_path / "streamed.safetensors")
@@ -297,8 +299,8 @@ def test_the_fp32_truth_computes_prefill_and_token_by_token_decode_alike(bundle)
     tokens = ((torch.arange(9) * 37 + 11) % 256)[None]
     prompt = [(tokens, torch.arange(9), None)]
     one_by_one = [(tokens[:, i:i + 1], torch.tensor([i]), None) for i in range(9)]
-    at_once = fp32.truth(OPTIONS, bundle, q.prepare_prefill, prompt, "cpu")
-    stepped = fp32.truth(OPTIONS, bundle, q.prepare_decode, one_by_one, "cpu")
+    at_once = fp32.truth(OPTIONS, bundle, cuda.prepare_prefill, prompt, "cpu")
+    stepped = fp32.truth(OPTIONS, bundle, cuda.prepare_decode, one_by_one, "cpu")
     assert sorted(at_once["truth"]["states"]) == sorted(stepped["truth"]["states"]) != []
     for name, state in at_once["truth"]["states"].items():
         assert state.dtype == torch.float32

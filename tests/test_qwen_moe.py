@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from cudabuild import registry
 from cudabuild.errors import InvalidOption
 from cudabuild.models import qwen35_moe_plain as plain
-from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.models import qwen35_moe_weights as weights
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 37  # spans five delta-rule chunks of the tiny size (chunk 8)
@@ -177,8 +177,8 @@ def test_every_module_that_calls_a_triton_kernel_is_swapped_and_nothing_else(mod
 
 def test_the_transformation_keeps_names_weights_and_buffers():
     """ExecuTorch's model before and after: the same state dict, the very same tensors."""
-    config = quant.model_config({"size": "tiny", "layers": 0})
-    theirs = quant.seeded_model(config, 42)
+    config = weights.model_config({"size": "tiny", "layers": 0})
+    theirs = weights.seeded_model(config, 42)
     before = {name: t.data_ptr() for name, t in theirs.state_dict(keep_vars=True).items()}
     swapped = plain.plain_source_transformations(theirs, chunk=8)
     assert {name: t.data_ptr() for name, t in theirs.state_dict(keep_vars=True).items()} == before
@@ -195,8 +195,8 @@ def test_the_cpu_form_computes_what_executorch_computes_with_its_triton_ops_answ
     from cudabuild.models import qwen35_moe_fp32 as fp32
 
     custom_ops.register("cuda")  # the ops' names, for PlainOps to stand in for
-    config = quant.model_config({"size": "tiny", "layers": 0})
-    theirs = quant.seeded_model(config, 42)
+    config = weights.model_config({"size": "tiny", "layers": 0})
+    theirs = weights.seeded_model(config, 42)
     _quantize_experts_int4(theirs, config, 32)
     _materialize_buffers(theirs, config)
     theirs = theirs.float()
@@ -302,7 +302,7 @@ def test_recipe_cuts_depth_and_refuses_more_layers_than_the_size_has(recipe):
 
 def test_the_cpu_weights_are_the_cuda_forms_before_quantization(recipe, model):
     """One draw for both forms: the stock --tiny-test weights (bf16 values), held here in fp32."""
-    theirs = quant.seeded_model(quant.model_config({"size": "tiny", "layers": 0}), 42)
+    theirs = weights.seeded_model(weights.model_config({"size": "tiny", "layers": 0}), 42)
     ours = dict(model.named_parameters())
     for name, t in theirs.named_parameters():
         assert ours[name].dtype == torch.float32 and torch.equal(ours[name], t.float()), name
@@ -318,7 +318,7 @@ def test_constant_methods_are_runner_metadata(recipe, model):
 def test_35b_a3b_has_the_hugging_face_shapes():
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    config = quant.model_config({"size": "35b-a3b", "layers": 4})
+    config = weights.model_config({"size": "35b-a3b", "layers": 4})
     with torch.device("meta"):
         model = Qwen35MoE(config)
     p = dict(model.named_parameters())

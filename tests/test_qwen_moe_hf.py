@@ -11,16 +11,16 @@ import torch
 
 import _qwen35_moe_hf as hf
 from cudabuild.models import qwen35_moe_plain as plain
-from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.models import qwen35_moe_sizes as sizes
 
 
 def test_the_written_config_reads_back_as_the_sizes_config(tmp_path):
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
 
-    for size in quant.SIZES:
+    for size in sizes.SIZES:
         hf.write_config(tmp_path, hf.config_json(size))
         read = Qwen35MoEConfig.from_hf_config(str(tmp_path / "config.json"))
-        assert vars(read) == {**vars(Qwen35MoEConfig(**quant.SIZES[size])), "max_seq_len": 4096}, size
+        assert vars(read) == {**vars(Qwen35MoEConfig(**sizes.SIZES[size])), "max_seq_len": 4096}, size
 
 
 def test_a_written_checkpoint_holds_exactly_the_implied_tensors_in_its_dtype(tmp_path):
