@@ -47,9 +47,12 @@ ESTIMATE = {"cold": 240, "cold2w": 240, "noop": 10, "restore": 15, "runtime": 60
 MODEL, TARGET = "qwen_moe", "cuda"
 
 
-def built_options(project: Path) -> dict:
-    """The recipe options the project's last build resolved (its manifest's)."""
-    return json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+def built_options(project: Path):
+    """The recipe options the project's last build resolved (its manifest's), typed as the models read them."""
+    from cudabuild.registry import load_recipe
+
+    values = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+    return load_recipe(project, MODEL).for_target(TARGET).defaults(TARGET).replace(**values)
 
 
 # -- the stock exporter ---------------------------------------------------------------------------

@@ -201,11 +201,10 @@ def main() -> None:
     stamps = stamps_of(project)
     from cudabuild.models import qwen35_moe
 
-    from cudabuild.options import defaults
     from cudabuild.registry import load_recipe
 
-    stock = defaults(load_recipe(project, "qwen_moe").options, "cuda")
-    options = qwen35_moe.resolve(dict(stock, size="35b-a3b", layers=args.layers), stock)
+    stock = load_recipe(project, "qwen_moe").for_target("cuda").defaults("cuda")
+    options = qwen35_moe.resolve(stock.replace(size="35b-a3b", layers=args.layers))
     # The emulate_precision_casts=ON build (compiles only) runs in a copy of the project beside the analysis.
     on_project = None
     if "on" in args.cases:

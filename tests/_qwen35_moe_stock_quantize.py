@@ -6,8 +6,6 @@ Owns nothing a build runs; tests/test_qwen35_moe.py calls it. Must not touch: th
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 
 from cudabuild.models.qwen35_moe_quantize import _release
@@ -22,15 +20,15 @@ def _on(module, device: str, dtype=None) -> None:
     _to_device_skip_meta(module, device=device, dtype=dtype)
 
 
-def quantize_model(model, config, options: Mapping[str, Any], device: str) -> None:
+def quantize_model(model, config, options, device: str) -> None:
     """The stock exporter's `_quantize` on a whole model, in place, with the linears quantized on
     `device`: the reference the streamed quantizer is checked against (tests), not the build's path."""
     from executorch.examples.models.qwen3_5_moe.export import _quantize_experts_int4
     from executorch.extension.llm.export.quantize import quantize_model_
 
-    qlinear, group = options["qlinear"], int(options["qlinear_group_size"])
+    qlinear, group = options.qlinear, options.qlinear_group_size
     packing = "tile_packed_to_4d" if qlinear == "4w" else None
-    _quantize_experts_int4(model, config, group, use_hqq=bool(options["hqq"]))
+    _quantize_experts_int4(model, config, group, use_hqq=options.hqq)
     if model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr():
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.clone())
     for layer in model.layers:
@@ -44,9 +42,9 @@ def quantize_model(model, config, options: Mapping[str, Any], device: str) -> No
     model.lm_head = wrapper.lm_head
     model.lm_head.to(device="cpu")
     _release(device)
-    if options.get("qembedding"):
+    if options.qembedding:
         model.embed_tokens.to(dtype=torch.bfloat16)
-        quantize_model_(model, qembedding_config=options["qembedding"])
+        quantize_model_(model, qembedding_config=options.qembedding)
     model.norm.to(dtype=torch.bfloat16)
 
 

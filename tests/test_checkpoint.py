@@ -14,15 +14,18 @@ import torch
 
 import _checkpoint as ck
 import _qwen35_moe_hf as hf
-from cudabuild.models import qwen35_moe_plain as plain
 from _checkpoint import CheckpointError
+from conftest import REPO
+from cudabuild.models import qwen35_moe_plain as plain
+from cudabuild.registry import load_recipe
 
 PREFIX = hf.PREFIX
+CPU_DEFAULTS = load_recipe(REPO, "qwen_moe").defaults("cpu")
 
 
 def load(path, layers=0, max_seq_len=64):
-    return plain.build({"size": "tiny", "layers": layers, "checkpoint": str(path), "seed": 0,
-                        "max_seq_len": max_seq_len, "chunk": 8})
+    return plain.build(CPU_DEFAULTS.replace(size="tiny", layers=layers, checkpoint=str(path), seed=0,
+                                            max_seq_len=max_seq_len, chunk=8))
 
 
 def stock(path):

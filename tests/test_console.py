@@ -36,8 +36,8 @@ def test_a_builds_console_holds_no_third_party_output_and_its_logs_do(built_tiny
 def test_a_failing_stage_shows_its_log_and_the_lines_that_matter(project):
     broken = project.root / "recipes" / "broken_lm.py"
     text = broken_recipe_text(project)
-    text = text.replace("    torch.manual_seed(options[\"seed\"])\n",
-                        "    torch.manual_seed(options[\"seed\"])\n    print('building broken_lm, seed', options['seed'])\n"
+    text = text.replace("    torch.manual_seed(options.seed)\n",
+                        "    torch.manual_seed(options.seed)\n    print('building broken_lm, seed', options.seed)\n"
                         "    import warnings; warnings.warn('a third-party warning', FutureWarning)\n")
     broken.write_text(text)
     result = project.export("model=broken_lm", "target=cpu")

@@ -27,11 +27,10 @@ from cudabuild.models import qwen35_moe_cuda as cuda
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen35_moe_weights as weights
 from cudabuild.pipeline import PIPELINE
-from cudabuild.options import defaults as option_defaults
 from cudabuild.registry import load_recipe
 
-DEFAULTS = option_defaults(load_recipe(REPO, "qwen_moe").options, "cuda")  # the recipe's table: the stock exporter's
-OPTIONS = q.resolve(dict(DEFAULTS, qlinear="8w"), DEFAULTS)
+DEFAULTS = load_recipe(REPO, "qwen_moe").for_target("cuda").defaults("cuda")  # the recipe's table: the stock exporter's
+OPTIONS = q.resolve(DEFAULTS.replace(qlinear="8w"))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,7 @@ def test_the_bundle_holds_the_quantized_weights_and_no_runtime_state(bundle):
     saved = load_quantized_state_dict(str(bundle / "model.safetensors"))
     assert not [k for k in saved if any(m in k for m in weights.RUNTIME_BUFFERS)]
     config = weights.model_config(OPTIONS)
-    again = weights.seeded_model(config, OPTIONS["seed"])
+    again = weights.seeded_model(config, OPTIONS.seed)
     stock.quantize_model(again, config, OPTIONS, "cpu")
     fresh = dict(stock.weights(again))
     assert sorted(fresh) == sorted(saved)
@@ -233,10 +232,10 @@ def test_a_prequantized_bundle_decides_its_own_quantization(project, bundle):
 
 
 def test_the_adopted_bundle_is_loaded_where_it_lies(bundle, tmp_path):
-    written = quant.quantize(dict(OPTIONS, prequantized=str(bundle)), tmp_path, "cpu")
+    written = quant.quantize(OPTIONS.replace(prequantized=str(bundle)), tmp_path, "cpu")
     assert list(written) == [quant.ADOPTED]
     assert json.loads(written[quant.ADOPTED].read_text()) == {"folder": str(bundle.resolve())}
-    loaded = cuda.load(dict(OPTIONS, prequantized=str(bundle)), tmp_path)
+    loaded = cuda.load(OPTIONS.replace(prequantized=str(bundle)), tmp_path)
     assert loaded.config.num_hidden_layers == 4
 
 
@@ -253,11 +252,11 @@ def _same(a: list, b: list) -> bool:
 def test_drawn_weights_are_the_same_tensors_whatever_the_number_of_layers(tmp_path):
     """Past the tiny size each tensor is drawn by its own generator (seed, name), a part at a time:
     a cut model's bundle holds the first layers of the whole one's, and a second run the same bytes."""
-    options = dict(OPTIONS, size="35b-a3b")  # the drawn path, at the tiny shapes of `config` below
-    full, cut = weights.model_config(OPTIONS), weights.model_config(dict(OPTIONS, layers=2))
+    options = OPTIONS.replace(size="35b-a3b")  # the drawn path, at the tiny shapes of `config` below
+    full, cut = weights.model_config(OPTIONS), weights.model_config(OPTIONS.replace(layers=2))
     quant.quantize_streamed(options, full, tmp_path / "full.safetensors", "cpu")
     quant.quantize_streamed(options, full, tmp_path / "again.safetensors", "cpu")
-    quant.quantize_streamed(dict(options, layers=2), cut, tmp_path / "cut.safetensors", "cpu")
+    quant.quantize_streamed(options.replace(layers=2), cut, tmp_path / "cut.safetensors", "cpu")
     assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "again.safetensors").read_bytes()
     whole, first = _bundle_tensors(tmp_path / "full.safetensors"), _bundle_tensors(tmp_path / "cut.safetensors")
     assert sorted(first) == sorted(n for n in whole if not n.startswith(("layers.2.", "layers.3.")))
@@ -272,7 +271,7 @@ def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_doe
     import _qwen35_moe_hf as qwen35_moe_hf
 
     qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"), shards=2, seed=3)
-    options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
+    options = OPTIONS.replace(checkpoint=str(tmp_path / "ckpt"))
     config = weights.model_config(options)
     quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")
     whole, _ = Qwen35MoE.from_hf_checkpoint(str(tmp_path / "ckpt"), max_seq_len=64)

@@ -233,9 +233,9 @@ def test_more_layers_than_the_weights_have_is_said_once_by_resolve(good):
     for given, said in (({"checkpoint": str(good), "layers": 5}, "the checkpoint has 4"),
                         ({"layers": 9}, "the size tiny has 4")):
         with pytest.raises(InvalidConfig) as raised:
-            recipe.resolve({**base, **given})
+            recipe.resolve(base.replace(**given))
         assert raised.value.problems == [f"qwen_moe option layers={given['layers']}: {said}"]
-    assert recipe.resolve({**base, "checkpoint": str(good), "layers": 4})["layers"] == 4
+    assert recipe.resolve(base.replace(checkpoint=str(good), layers=4)).layers == 4
 
 
 def test_a_damaged_header_is_one_line(good, tmp_path):

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import _qwen35_moe_hf as hf
+from conftest import REPO
 from cudabuild.models import qwen35_moe_plain as plain
 from cudabuild.models import qwen35_moe_sizes as sizes
+from cudabuild.registry import load_recipe
 
 
 def test_the_written_config_reads_back_as_the_sizes_config(tmp_path):
@@ -44,7 +46,8 @@ def test_the_cpu_form_computes_transformers_logits_from_one_checkpoint(tmp_path)
     folder = hf.save(tmp_path / "ckpt", hf.config_json(), seed=1)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     assert type(theirs).__name__ == "Qwen3_5MoeForCausalLM"
-    ours = plain.build({"size": "tiny", "layers": 0, "checkpoint": str(folder), "seed": 0, "max_seq_len": 64, "chunk": 8})
+    cpu = load_recipe(REPO, "qwen_moe").defaults("cpu")
+    ours = plain.build(cpu.replace(size="tiny", layers=0, checkpoint=str(folder), seed=0, max_seq_len=64, chunk=8))
     tokens = (torch.arange(20) * 37 + 11) % 256
     with torch.no_grad():
         want = theirs(tokens[None]).logits[0]  # [T, V]: every position's

@@ -12,62 +12,57 @@ defaults, are the recipe's table.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from pathlib import Path
 
 from cudabuild.errors import InvalidConfig, InvalidOption, compose
 from cudabuild.models import qwen35_moe_quantize as quant
-from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
 from cudabuild.models import qwen35_moe_sizes as sizes
+from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
+from cudabuild.options import Options
 
 # The KV cache's length when a size or checkpoint does not say: the stock exporter's --max-seq-len;
 # also the cap on a checkpoint's own context (262144 for Qwen3.5, far beyond what a build needs).
 DEFAULT_MAX_SEQ_LEN = 4096
 # prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
 MIN_SEQ_LEN = 4
-# The options that decide the quantized weights (the quantize stage's key); the folders too.
-QUANTIZE_OPTIONS = ("size", "layers", "seed", "qlinear", "qlinear_group_size", "qembedding", "hqq")
-QUANTIZE_FOLDERS = ("checkpoint", "prequantized")
 # The CPU form's delta-rule prefill chunk when `chunk` is left at 0: the size's, or for a checkpoint
 # 64 (the 35b-a3b size's, and FLA's kernels').
 CHUNKS = {"tiny": 8, "35b-a3b": 64}
 CHECKPOINT_CHUNK = 64
-# What a prequantized bundle decides by itself: these must stay at their defaults beside it.
-DECIDED_BY_A_BUNDLE = ("layers", "qlinear", "qlinear_group_size", "qembedding", "hqq")
 
 
-def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
+def resolve(options: Options) -> Options:
     """The options with max_seq_len (and on the CPU, chunk) filled in; every combination the model
-    cannot take refused, all at once, for either form. `defaults` are the options' defaults (the
-    recipe's table: the stock exporter's). A checkpoint's config.json and the tensors it implies
-    are checked here, as a bundle's config.json is (cudabuild/models/qwen_moe_checkpoint.py, the
-    fields ExecuTorch's model reads)."""
-    out = dict(options)
+    cannot take refused, all at once, for either form. What a prequantized bundle decides by itself
+    (the rows the recipe's table marks `decided_by` it) must stay at its default beside it. A
+    checkpoint's config.json and the tensors it implies are checked here, as a bundle's config.json
+    is (cudabuild/models/qwen_moe_checkpoint.py, the fields ExecuTorch's model reads)."""
     problems = []
     # `layers` is >= 0 by the option table; here only what the table cannot know is checked: that
     # the weights' source (a size, a checkpoint) has that many.
-    layers, source, depth = int(options["layers"]), "", None
-    if options.get("checkpoint") and options.get("prequantized"):
+    layers, source, depth = options.layers, "", None
+    if options.checkpoint and options.prequantized:
         problems.append(compose("qwen_moe options checkpoint= and prequantized= exclude each other",
                                 "a bundle is already the quantized checkpoint"))
-    if options.get("prequantized"):
-        fixed = [f"{name}={options[name]}" for name in DECIDED_BY_A_BUNDLE if options[name] != defaults[name]]
+    decided = options.decided()  # {prequantized: (what a bundle decides, those given other values)}
+    for decider, (names, fixed) in decided.items():
         if fixed:
-            problems.append(compose(f"qwen_moe option prequantized= decides {', '.join(DECIDED_BY_A_BUNDLE)} by itself",
+            problems.append(compose(f"qwen_moe option {decider}= decides {', '.join(names)} by itself",
                                     fix=f"drop {', '.join(fixed)}"))
-        else:
-            try:
-                quant.check_bundle(_folder(options["prequantized"]))
-                config, found = checkpoint_fields.read_config(_folder(options["prequantized"]))
-                problems += found or checkpoint_fields.checked_fields(
-                    config, str(_folder(options["prequantized"]) / quant.CONFIG))[1]
-            except InvalidOption as e:
-                problems.append(str(e))
-    if options.get("dense_prefill") == "dequant" and options.get("qlinear") != "4w":
+    if options.prequantized and not any(fixed for _, fixed in decided.values()):
+        bundle = _folder(options.prequantized)
+        try:
+            quant.check_bundle(bundle)
+            config, found = checkpoint_fields.read_config(bundle)
+            problems += found or checkpoint_fields.checked_fields(config, str(bundle / quant.CONFIG))[1]
+        except InvalidOption as e:
+            problems.append(str(e))
+    if options.dense_prefill == "dequant" and options.qlinear != "4w":
         problems.append(compose(f"qwen_moe option dense_prefill=dequant needs qlinear=4w (int4 dense weights), "
-                                f"not qlinear={options['qlinear']}"))
-    max_seq_len = int(options["max_seq_len"])
-    if options.get("checkpoint"):
-        fields, found = checkpoint_fields.check_checkpoint(options["checkpoint"], layers)
+                                f"not qlinear={options.qlinear}"))
+    max_seq_len = options.max_seq_len
+    if options.checkpoint:
+        fields, found = checkpoint_fields.check_checkpoint(options.checkpoint, layers)
         problems += found
         source, depth = "the checkpoint", fields.get("num_hidden_layers")
         limit = fields.get("max_position_embeddings")
@@ -75,9 +70,9 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
             problems.append(compose(f"qwen_moe option max_seq_len={max_seq_len}",
                                     f"the checkpoint's max_position_embeddings is {limit}"))
         max_seq_len = max_seq_len or min(limit or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
-    elif not options.get("prequantized"):
-        source, depth = f"the size {options['size']}", sizes.depth(options["size"])
-        max_seq_len = max_seq_len or sizes.SIZES[options["size"]].get("max_seq_len", 0)
+    elif not options.prequantized:
+        source, depth = f"the size {options.size}", sizes.depth(options.size)
+        max_seq_len = max_seq_len or sizes.SIZES[options.size].get("max_seq_len", 0)
     if depth is not None and layers > depth:
         problems.append(compose(f"qwen_moe option layers={layers}", f"{source} has {depth}"))
     max_seq_len = max_seq_len or DEFAULT_MAX_SEQ_LEN
@@ -86,16 +81,13 @@ def resolve(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
                                 expected=f"an integer >= {MIN_SEQ_LEN} (default 0: from the checkpoint or the size)"))
     if problems:
         raise InvalidConfig(problems)
-    out["max_seq_len"] = max_seq_len
-    if "chunk" in options:  # the CPU form's plain delta rule: its prefill chunk
-        chunk = int(options["chunk"]) or (CHECKPOINT_CHUNK if options.get("checkpoint") else CHUNKS[options["size"]])
-        out["chunk"] = min(chunk, max_seq_len)
-    return out
+    if options.chunk is None:  # the cuda form: no plain delta rule
+        return options.replace(max_seq_len=max_seq_len)
+    chunk = options.chunk or (CHECKPOINT_CHUNK if options.checkpoint else CHUNKS[options.size])
+    return options.replace(max_seq_len=max_seq_len, chunk=min(chunk, max_seq_len))
 
 
-def _folder(path: str):
-    from pathlib import Path
-
+def _folder(path: str) -> Path:
     return Path(path).expanduser().resolve()
 
 

@@ -19,32 +19,31 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
-
 import torch
 
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
 from cudabuild.models.qwen35_moe_sizes import BUNDLE_BASE, BUNDLE_PER_LAYER, depth, kept_layers
+from cudabuild.options import Options
 
 # A bf16 checkpoint quantized to int4 with a bf16 scale and zero per 32 weights: 0.625 of 2 bytes.
 _INT4_OF_BF16 = 0.3125
 
 
-def weights_bytes(options: Mapping[str, Any]) -> int:
+def weights_bytes(options: Options) -> int:
     """About the bytes of the quantized bundle these (resolved) options give: what the build keeps
     of its weights, once cached and once in the .ptd (cudabuild.engine.room projects its disk from
     it). From the measured 35b-a3b bundle by layer, a checkpoint's files, a bundle's own size."""
-    if options.get("prequantized"):
-        return sum(f.stat().st_size for f in _folder(options["prequantized"]).glob("*.safetensors"))
-    if options.get("checkpoint"):
-        folder = _folder(options["checkpoint"])
+    if options.prequantized:
+        return sum(f.stat().st_size for f in _folder(options.prequantized).glob("*.safetensors"))
+    if options.checkpoint:
+        folder = _folder(options.checkpoint)
         checkpoint = sum(f.stat().st_size for f in folder.glob("*.safetensors")) * _INT4_OF_BF16
         config = checkpoint_fields.read_config(folder)[0] or {}
         total = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 0
-        return int(checkpoint * (kept_layers(int(options.get("layers") or 0), total) / total if total else 1))
-    size = options.get("size", "tiny")
-    layers = kept_layers(int(options.get("layers") or 0), depth(size))
+        return int(checkpoint * (kept_layers(options.layers, total) / total if total else 1))
+    size = options.size
+    layers = kept_layers(options.layers, depth(size))
     return BUNDLE_BASE.get(size, 0) + BUNDLE_PER_LAYER.get(size, 0) * layers
 
 
@@ -52,7 +51,7 @@ def _folder(path: str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
+def load(options: Options, folder) -> torch.nn.Module:
     """The eager model from the quantize stage's output (`folder`: its files by name), built on the
     meta device and given the bundle's tensors with `assign` (ExecuTorch's load_prequantized_model),
     its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
@@ -67,26 +66,26 @@ def load(options: Mapping[str, Any], folder) -> torch.nn.Module:
     if os.path.isfile(adopted):
         with open(adopted) as f:
             folder = json.load(f)["folder"]
-    model, config = load_prequantized_model(str(folder), max_seq_len=int(options["max_seq_len"]),
-                                            use_splitk_decode=bool(options["splitk"]))
+    model, config = load_prequantized_model(str(folder), max_seq_len=options.max_seq_len,
+                                            use_splitk_decode=options.splitk)
     _materialize_buffers(model, config)
-    if options["dense_prefill"] == "dequant":
-        _replace_dense_with_w4dequant(model, group_size=int(options["qlinear_group_size"]), use_hqq=bool(options["hqq"]))
+    if options.dense_prefill == "dequant":
+        _replace_dense_with_w4dequant(model, group_size=options.qlinear_group_size, use_hqq=options.hqq)
     return model
 
 
-def prepare_decode(model, options: Mapping[str, Any]) -> None:
+def prepare_decode(model, options: Options) -> None:
     from executorch.examples.models.qwen3_5_moe.export import _set_batched_moe, _set_dequant_prefill
 
     _set_batched_moe(model, False)
     _set_dequant_prefill(model, False)
 
 
-def prepare_prefill(model, options: Mapping[str, Any]) -> None:
+def prepare_prefill(model, options: Options) -> None:
     from executorch.examples.models.qwen3_5_moe.export import _set_batched_moe, _set_dequant_prefill
 
-    _set_batched_moe(model, True, moe_activation_dtype=options["moe_activation_dtype"])
-    _set_dequant_prefill(model, options["dense_prefill"] == "dequant")
+    _set_batched_moe(model, True, moe_activation_dtype=options.moe_activation_dtype)
+    _set_dequant_prefill(model, options.dense_prefill == "dequant")
 
 
 def _temperature(value: float = 1.0) -> torch.Tensor:

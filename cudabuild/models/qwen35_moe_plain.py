@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Mapping
-
 import torch
 import torch.nn.functional as F
 from executorch.examples.models.qwen3_5_moe.model import (
@@ -60,6 +58,7 @@ from torch import Tensor
 from cudabuild.models import qwen35_moe_weights as weights
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
 from cudabuild.models.qwen35_moe_sizes import BF16_BASE, BF16_OF_INT4, BUNDLE_PER_LAYER, depth, kept_layers
+from cudabuild.options import Options
 
 # The weights' dtype of each size on the CPU (a checkpoint's is its config.json's).
 DTYPES = {"tiny": torch.float32, "35b-a3b": torch.bfloat16}
@@ -347,33 +346,33 @@ def plain_source_transformations(model: Qwen35MoE, chunk: int) -> dict[str, int]
 # The CPU form
 
 
-def weights_dtype(options: Mapping[str, Any]) -> torch.dtype:
+def weights_dtype(options: Options) -> torch.dtype:
     """The CPU form's weights' dtype: a checkpoint's config.json's, else the size's."""
-    if options.get("checkpoint"):
-        config, _ = checkpoint_fields.read_config(Path(options["checkpoint"]).expanduser())
+    if options.checkpoint:
+        config, _ = checkpoint_fields.read_config(Path(options.checkpoint).expanduser())
         return getattr(torch, checkpoint_fields.checked_fields(config)[0].get("dtype", "bfloat16"))
-    return DTYPES[options["size"]]
+    return DTYPES[options.size]
 
 
-def weights_bytes(options: Mapping[str, Any]) -> int:
+def weights_bytes(options: Options) -> int:
     """About the bytes of the CPU form's weights (qwen35_moe_cuda.py `weights_bytes` for its bundle):
     a checkpoint's files, or the 35b-a3b size's bf16 weights by layer; tiny's are a few MB (0: not
     projected)."""
-    if options.get("checkpoint"):
-        folder = Path(options["checkpoint"]).expanduser().resolve()
+    if options.checkpoint:
+        folder = Path(options.checkpoint).expanduser().resolve()
         return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    size = options.get("size", "tiny")
-    layers = kept_layers(int(options.get("layers") or 0), depth(size))
+    size = options.size
+    layers = kept_layers(options.layers, depth(size))
     return int(BF16_BASE.get(size, 0) + BUNDLE_PER_LAYER.get(size, 0) * BF16_OF_INT4 * layers)
 
 
-def build(options: Mapping[str, Any]) -> Qwen35MoE:
+def build(options: Options) -> Qwen35MoE:
     """The CPU form for resolved options (max_seq_len, chunk filled in): ExecuTorch's model, its
     weights those the quantize stage starts from (unquantized, in `weights_dtype`), transformed."""
     from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _strip_sampler_from_forward
 
     config = weights.model_config(options)  # the size's or the checkpoint's, cut to `layers`
-    config.max_seq_len = int(options["max_seq_len"])
+    config.max_seq_len = options.max_seq_len
     dtype = weights_dtype(options)
     with torch.device("meta"):
         model = Qwen35MoE(config)
@@ -390,7 +389,7 @@ def build(options: Mapping[str, Any]) -> Qwen35MoE:
         if name.endswith(STATES):
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner).register_buffer(leaf, torch.zeros(buf.shape, dtype=dtype))
-    plain_source_transformations(model, int(options["chunk"]))
+    plain_source_transformations(model, options.chunk)
     _strip_sampler_from_forward(model)  # ExecuTorch's forward for backends that sample on the host
     return model.eval().requires_grad_(False)
 

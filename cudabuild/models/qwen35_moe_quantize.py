@@ -27,11 +27,10 @@ import json
 import time
 import types
 from pathlib import Path
-from typing import Any, Mapping
-
 import torch
 
 from cudabuild.models import qwen35_moe_weights as weights
+from cudabuild.options import Options
 
 BUNDLE = "model.safetensors"
 CONFIG = "config.json"
@@ -69,21 +68,21 @@ def _release(device: str) -> None:
 # one layer (or the lm_head) at a time, the host one part, never the whole bf16 model.
 
 
-def _quantize_part(prefix: str, module, config, options: Mapping[str, Any]) -> None:
+def _quantize_part(prefix: str, module, config, options: Options) -> None:
     """The stock `_quantize`'s steps for one part, in place, where the part lies: a layer's experts
     to packed int4 and its linears (as the lm_head's) by `qlinear`; the embedding by `qembedding`."""
     from executorch.examples.models.qwen3_5_moe.export import _quantize_experts_int4
     from executorch.extension.llm.export.quantize import quantize_model_
 
-    qlinear, group = options["qlinear"], int(options["qlinear_group_size"])
+    qlinear, group = options.qlinear, options.qlinear_group_size
     packing = "tile_packed_to_4d" if qlinear == "4w" else None
     if prefix.startswith("layers."):
-        _quantize_experts_int4(types.SimpleNamespace(layers=[module]), config, group, use_hqq=bool(options["hqq"]))
+        _quantize_experts_int4(types.SimpleNamespace(layers=[module]), config, group, use_hqq=options.hqq)
         quantize_model_(module, qlinear_config=qlinear, qlinear_group_size=group, qlinear_packing_format=packing)
     elif "lm_head" in module:
         quantize_model_(module, qlinear_config=qlinear, qlinear_group_size=group, qlinear_packing_format=packing)
-    elif "embed_tokens" in module and options.get("qembedding"):
-        quantize_model_(module, qembedding_config=options["qembedding"])
+    elif "embed_tokens" in module and options.qembedding:
+        quantize_model_(module, qembedding_config=options.qembedding)
 
 
 def _flattened(prefix: str, module) -> tuple[dict, dict]:
@@ -101,7 +100,7 @@ def _flattened(prefix: str, module) -> tuple[dict, dict]:
     return flatten_tensor_state_dict(state)
 
 
-def quantize_streamed(options: Mapping[str, Any], config, path: Path, device: str) -> dict:
+def quantize_streamed(options: Options, config, path: Path, device: str) -> dict:
     """Make, quantize and write every part in turn; the bundle at `path`. Returns what it measured."""
     from cudabuild.formats.safetensors_stream import SafetensorsStream
 
@@ -139,13 +138,13 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def quantize(options: Mapping[str, Any], folder: Path, device: str) -> dict[str, Path]:
+def quantize(options: Options, folder: Path, device: str) -> dict[str, Path]:
     """Build and quantize the model the options describe, a part at a time; write the bundle into
     `folder`. A stock prequantized bundle (`prequantized=DIR`) is adopted as it is: `bundle.json`
     names it, and its tensors key this stage like a checkpoint's."""
     folder.mkdir(parents=True, exist_ok=True)
-    if options.get("prequantized"):
-        bundle = Path(options["prequantized"]).expanduser().resolve()
+    if options.prequantized:
+        bundle = Path(options.prequantized).expanduser().resolve()
         check_bundle(bundle)
         files = {ADOPTED: folder / ADOPTED}
         files[ADOPTED].write_text(json.dumps({"folder": str(bundle)}))

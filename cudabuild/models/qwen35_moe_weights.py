@@ -16,28 +16,29 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import torch
 
 from cudabuild.models.qwen35_moe_sizes import SIZES, kept_layers
 from cudabuild.models.qwen_moe_checkpoint import CONFIG_FILE
+from cudabuild.options import Options
 
 # Buffers that are per-session state or recomputed at load (ExecuTorch's loader lists the same):
 # not part of the weights, and shaped by max_seq_len, which must not key the quantize stage.
 RUNTIME_BUFFERS = (".kv_cache.", ".conv_state", ".recurrent_state", ".cache_positions", ".inv_freq", ".mask")
 
 
-def model_config(options: Mapping[str, Any]):
+def model_config(options: Options):
     """The Qwen35MoEConfig the options describe (its max_seq_len is the size's: the weights do not
     depend on it)."""
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
 
-    if options.get("checkpoint"):
-        config = Qwen35MoEConfig.from_hf_config(os.path.join(os.path.expanduser(options["checkpoint"]), CONFIG_FILE))
+    if options.checkpoint:
+        config = Qwen35MoEConfig.from_hf_config(os.path.join(os.path.expanduser(options.checkpoint), CONFIG_FILE))
     else:
-        config = Qwen35MoEConfig(**SIZES[options["size"]])
-    layers = kept_layers(int(options.get("layers") or 0), config.num_hidden_layers)
+        config = Qwen35MoEConfig(**SIZES[options.size])
+    layers = kept_layers(options.layers, config.num_hidden_layers)
     if layers < config.num_hidden_layers:
         config.num_hidden_layers = layers
         config.layer_types = list(config.layer_types[:layers])
@@ -103,7 +104,7 @@ def _drawn(module, prefix: str, seed: int, device: str, dtype=torch.bfloat16):
     return _frozen(module)
 
 
-def weight_parts(options: Mapping[str, Any], config, device: str,
+def weight_parts(options: Options, config, device: str,
                  dtype=torch.bfloat16) -> Iterator[tuple[str, torch.nn.Module]]:
     """(prefix, module on `device`, its weights of `dtype`) for every part, in order: the
     embedding, the layers, the norm, the lm_head. The quantize stage quantizes them (bf16); the
@@ -117,11 +118,11 @@ def weight_parts(options: Mapping[str, Any], config, device: str,
     part at a time through ExecuTorch's lazy subset reader."""
     from executorch.examples.models.qwen3_5_moe.model import Block, GemmaRMSNorm
 
-    if options.get("checkpoint"):
-        yield from _checkpoint_parts(options["checkpoint"], config, device, dtype)
+    if options.checkpoint:
+        yield from _checkpoint_parts(options.checkpoint, config, device, dtype)
         return
-    seed = int(options["seed"])
-    if options["size"] == "tiny":
+    seed = options.seed
+    if options.size == "tiny":
         model = seeded_model(config, seed)
         yield "", _frozen(torch.nn.ModuleDict({"embed_tokens": model.embed_tokens}).to(device, dtype))
         for i, layer in enumerate(model.layers):

@@ -50,6 +50,7 @@ def _bundle_model(project):
     from cudabuild.backend import custom_ops
     from cudabuild.engine.store import Store
     from cudabuild.models import qwen35_moe_cuda
+    from cudabuild.registry import load_recipe
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
 
     custom_ops.register("cuda")  # the Triton ops the model's forward calls, with their fixes
@@ -59,9 +60,10 @@ def _bundle_model(project):
     store = Store(project.cache)
     for name, sha in stamp["outputs"].items():
         (folder / name).symlink_to(store.verified_path(sha))
-    model = qwen35_moe_cuda.load(manifest["options"], folder)
+    options = load_recipe(REPO, "qwen_moe").for_target("cuda").defaults("cuda").replace(**manifest["options"])
+    model = qwen35_moe_cuda.load(options, folder)
     _move_to_cuda(model, model.config)
-    return model.eval(), manifest["options"]
+    return model.eval(), options
 
 
 def test_the_build_verifies_logits_and_state_of_both_methods(built):

@@ -31,7 +31,7 @@ def run(ctx) -> StageResult:
     device_peak.start(device)
     try:
         with phase("quantize"):
-            written = recipe.quantize.run(dict(config.options), ctx.workdir / "weights", device)
+            written = recipe.quantize.run(config.options, ctx.workdir / "weights", device)
     except CudabuildError:
         raise
     except Exception as e:
