@@ -1,5 +1,9 @@
 """One build's configuration, merged once from the command line and the recipe, then frozen.
 
+Owns that merge and its one report of every problem (BuildConfig, load_config). Must not touch:
+torch (a no-op build configures without it: the recipe's description and resolve come memoised
+through cudabuild.registry), a stage, the keys (cudabuild.pipeline composes them from the config).
+
 `doit export model=NAME target=cpu size=tiny max_autotune=ON decode.low_memory_mode=ON`:
 `model` and `target` pick the build; a spec key (or `METHOD.KEY`) overrides a compile spec; any
 other name must be one of the recipe's options (its table: cudabuild/options.py, which checks

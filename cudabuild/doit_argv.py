@@ -1,6 +1,8 @@
 """What a doit command line holds, read as doit reads it, before doit has: its settings (NAME=VALUE)
 and its words (a command, then task names).
 
+Owns reading argv the way doit does; decides nothing about models or stages. No torch here.
+
     doit exprot model=tiny_lm             -> 'exprot' is not a task or a doit command; did you mean export?
     doit export model=tiny_lm layers=1 layers=3   -> layers=1 layers=3: layers is given 2 values; give layers once
 
@@ -14,8 +16,6 @@ The words are found with doit's own option tables and parser (cmdparse), so an o
 `CommandLine.read(argv)` is the one reading: the command, its task words, doit's own options given
 (`-n`, `-P`, `--db-file`, `--backend`, by doit's names for them), and the settings. cudabuild's
 doit tasks (cudabuild.doit_tasks) ask it what they need before doit hands it over.
-
-Owns reading argv the way doit does; decides nothing about models or stages. No torch here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The stage graph as doit tasks. dodo.py hands doit what one `DoitRun` here makes; importing this
 module does nothing.
 
+Owns turning builds into doit tasks for one run of doit: the run's id and start, its worker count
+and kind, the tasks' stages (what the reporter and the ready queue ask about them). Must not touch:
+what a stage does or whether it runs (the runner), a build's configuration (cudabuild.config).
+
 Each stage is a sub-task of `export` (`export:compile.decode`, ...), ordered by `task_dep`. Its
 `uptodate` check asks the runner whether the stamp in build/ holds the current action key, and
 its action brings the stage up to date (cached / restored / ran). doit's own database only
@@ -14,10 +18,6 @@ summary. Bad input stops the load with one line and exit status 2, before anythi
 must run is sent to a Dask cluster's workers (cudabuild.engine.cluster): doit's workers are then
 threads of this one process, each waiting on its stage's task (`-n N`: stages in flight, default
 CLUSTER_IN_FLIGHT).
-
-Owns turning builds into doit tasks for one run of doit: the run's id and start, its worker count
-and kind, the tasks' stages (what the reporter and the ready queue ask about them). Must not touch:
-what a stage does or whether it runs (the runner), a build's configuration (cudabuild.config).
 
 doit's own API, where it has one: DOIT_CONFIG (the worker count and kind, the reporter, the
 default task), task creators (`task_export`, `task_nightly`: the bound methods of the run, called

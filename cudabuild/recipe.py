@@ -1,5 +1,8 @@
 """What a recipe declares: a model factory, its methods and their compile specs, as plain data.
 
+Owns the shape of that declaration (Recipe, Method, Quantize, Sampler, Lowering). Must not touch
+torch, the registry or a build; an option's table and typed values are cudabuild/options.py's.
+
 A recipe file (`recipes/<name>.py`) defines one module-level `RECIPE = Recipe(...)`. It parses no
 command line and does no I/O at import time; everything that needs torch happens inside the
 callables it hands over, which the stages call. This module must not import torch.

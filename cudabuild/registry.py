@@ -1,6 +1,10 @@
 """The recipe registry: which models exist, and what each recipe declares, without importing torch
 when nothing changed.
 
+Owns finding recipes, their sources, and the memos of their description and `resolve`. Must not
+touch: a build's settings (cudabuild.config merges them), a key's composition (cudabuild.pipeline),
+torch but through importing a recipe whose sources changed.
+
 `recipes/<name>.py` is model `<name>`. A recipe's *sources* are its file plus every project-local
 module it imports, found statically (an AST walk, transitively), so a no-op build can check them
 by stat alone. Its *description* (method names, declared specs, option defaults) needs the recipe
