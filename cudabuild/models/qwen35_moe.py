@@ -4,7 +4,8 @@ before any stage, and the runner's metadata.
 Owns `resolve`: max_seq_len (and on the CPU, chunk) filled in, every combination of the options the
 model cannot take refused at once, a checkpoint's config.json and tensors checked against one table
 (qwen_moe_checkpoint.py, the fields ExecuTorch's model reads), a prequantized bundle's too; and the
-constant methods ExecuTorch's runner reads. Must not touch: the weights, the quantization, either
+constant methods ExecuTorch's runner reads; what the weights measure (both forms' `weights_bytes`
+project from it). Must not touch: the weights, the quantization, either
 form's model (qwen35_moe_cuda.py, qwen35_moe_plain.py): the options themselves, with their types and
 defaults, are the recipe's table.
 """
@@ -18,20 +19,28 @@ from cudabuild.errors import InvalidConfig, InvalidOption, compose
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen35_moe_sizes as sizes
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
-from cudabuild.options import Options
 
 # The KV cache's length when a size or checkpoint does not say: the stock exporter's --max-seq-len;
 # also the cap on a checkpoint's own context (262144 for Qwen3.5, far beyond what a build needs).
 DEFAULT_MAX_SEQ_LEN = 4096
 # prefill's T ranges over [2, max_seq_len - 1], which torch.export needs non-empty and not one value.
 MIN_SEQ_LEN = 4
+# What the weights measure, for both forms' projections of a build's disk (`weights_bytes`), kept
+# here rather than beside the sizes: the quantize stage is not keyed on them. The quantized bundle of
+# the 35b-a3b size (min/max, qlinear=4w, group 32), measured on the H100:
+# 20,382,819,592 B at 40 layers and 5.14 GB at 8, so the embedding and the lm_head take about
+# 1.33 GB and a layer (its 256 int4 experts, mostly) about 0.476 GB.
+BUNDLE_BASE, BUNDLE_PER_LAYER = {"35b-a3b": 1_329_000_000}, {"35b-a3b": 476_300_000}
+# Unquantized (bf16) the same size is about 3.56x the int4 bundle's bytes a layer (2 bytes a weight
+# against 0.5625), and the embedding and lm_head take 1.02 GB each.
+BF16_BASE, BF16_OF_INT4 = {"35b-a3b": 2_034_000_000}, 2 / 0.5625
 # The CPU form's delta-rule prefill chunk when `chunk` is left at 0: the size's, or for a checkpoint
 # 64 (the 35b-a3b size's, and FLA's kernels').
 CHUNKS = {"tiny": 8, "35b-a3b": 64}
 CHECKPOINT_CHUNK = 64
 
 
-def resolve(options: Options) -> Options:
+def resolve(options):
     """The options with max_seq_len (and on the CPU, chunk) filled in; every combination the model
     cannot take refused, all at once, for either form. What a prequantized bundle decides by itself
     (the rows the recipe's table marks `decided_by` it) must stay at its default beside it. A

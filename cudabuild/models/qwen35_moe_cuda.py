@@ -23,14 +23,14 @@ import torch
 
 from cudabuild.models import qwen35_moe_quantize as quant
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
-from cudabuild.models.qwen35_moe_sizes import BUNDLE_BASE, BUNDLE_PER_LAYER, depth, kept_layers
-from cudabuild.options import Options
+from cudabuild.models.qwen35_moe import BUNDLE_BASE, BUNDLE_PER_LAYER
+from cudabuild.models.qwen35_moe_sizes import depth, kept_layers
 
 # A bf16 checkpoint quantized to int4 with a bf16 scale and zero per 32 weights: 0.625 of 2 bytes.
 _INT4_OF_BF16 = 0.3125
 
 
-def weights_bytes(options: Options) -> int:
+def weights_bytes(options) -> int:
     """About the bytes of the quantized bundle these (resolved) options give: what the build keeps
     of its weights, once cached and once in the .ptd (cudabuild.engine.room projects its disk from
     it). From the measured 35b-a3b bundle by layer, a checkpoint's files, a bundle's own size."""
@@ -51,7 +51,7 @@ def _folder(path: str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def load(options: Options, folder) -> torch.nn.Module:
+def load(options, folder) -> torch.nn.Module:
     """The eager model from the quantize stage's output (`folder`: its files by name), built on the
     meta device and given the bundle's tensors with `assign` (ExecuTorch's load_prequantized_model),
     its runtime buffers made real; with dense_prefill=dequant, the dense int4 linears re-packed for
@@ -74,14 +74,14 @@ def load(options: Options, folder) -> torch.nn.Module:
     return model
 
 
-def prepare_decode(model, options: Options) -> None:
+def prepare_decode(model, options) -> None:
     from executorch.examples.models.qwen3_5_moe.export import _set_batched_moe, _set_dequant_prefill
 
     _set_batched_moe(model, False)
     _set_dequant_prefill(model, False)
 
 
-def prepare_prefill(model, options: Options) -> None:
+def prepare_prefill(model, options) -> None:
     from executorch.examples.models.qwen3_5_moe.export import _set_batched_moe, _set_dequant_prefill
 
     _set_batched_moe(model, True, moe_activation_dtype=options.moe_activation_dtype)

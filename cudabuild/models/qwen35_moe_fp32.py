@@ -35,7 +35,6 @@ import torch.nn.functional as F
 # The plain forms of ExecuTorch's int4 packing and delta rule, and the model's per-session state
 # buffers, are the CPU form's (one definition, whichever form a fix is for).
 from cudabuild.models.qwen35_moe_plain import STATES, delta_rule_step, dequantize_int4
-from cudabuild.options import Options
 
 # The envelope's runs with noise on the router scores, and the noise (relative; one bf16 ulp is 2^-8).
 NOISY_RUNS = 3
@@ -153,7 +152,7 @@ def distance(run: dict, truth: dict) -> dict:
     return {"states": states, "gaps": gaps, "deviations": deviations}
 
 
-def reference(model_loader, options: Options, method_prepare, steps: list, device: str,
+def reference(model_loader, options, method_prepare, steps: list, device: str,
               eager: dict | None = None) -> dict:
     """The truth of one method's verify steps and bf16's envelope around it.
 
@@ -274,7 +273,7 @@ class _on:
         self.saved = []
 
 
-def truth(options: Options, folder, prepare, steps: list, device: str, eager: dict | None = None) -> dict:
+def truth(options, folder, prepare, steps: list, device: str, eager: dict | None = None) -> dict:
     """The recipe's `Quantize.truth` (cudabuild.recipe): `reference` on the model the quantize
     stage's bundle in `folder` holds, loaded as the export stage loads it, on the host; each part
     goes to `device` in turn (`runs_layer_by_layer`)."""

@@ -57,8 +57,8 @@ from torch import Tensor
 
 from cudabuild.models import qwen35_moe_weights as weights
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
-from cudabuild.models.qwen35_moe_sizes import BF16_BASE, BF16_OF_INT4, BUNDLE_PER_LAYER, depth, kept_layers
-from cudabuild.options import Options
+from cudabuild.models.qwen35_moe import BF16_BASE, BF16_OF_INT4, BUNDLE_PER_LAYER
+from cudabuild.models.qwen35_moe_sizes import depth, kept_layers
 
 # The weights' dtype of each size on the CPU (a checkpoint's is its config.json's).
 DTYPES = {"tiny": torch.float32, "35b-a3b": torch.bfloat16}
@@ -346,7 +346,7 @@ def plain_source_transformations(model: Qwen35MoE, chunk: int) -> dict[str, int]
 # The CPU form
 
 
-def weights_dtype(options: Options) -> torch.dtype:
+def weights_dtype(options) -> torch.dtype:
     """The CPU form's weights' dtype: a checkpoint's config.json's, else the size's."""
     if options.checkpoint:
         config, _ = checkpoint_fields.read_config(Path(options.checkpoint).expanduser())
@@ -354,7 +354,7 @@ def weights_dtype(options: Options) -> torch.dtype:
     return DTYPES[options.size]
 
 
-def weights_bytes(options: Options) -> int:
+def weights_bytes(options) -> int:
     """About the bytes of the CPU form's weights (qwen35_moe_cuda.py `weights_bytes` for its bundle):
     a checkpoint's files, or the 35b-a3b size's bf16 weights by layer; tiny's are a few MB (0: not
     projected)."""
@@ -366,7 +366,7 @@ def weights_bytes(options: Options) -> int:
     return int(BF16_BASE.get(size, 0) + BUNDLE_PER_LAYER.get(size, 0) * BF16_OF_INT4 * layers)
 
 
-def build(options: Options) -> Qwen35MoE:
+def build(options) -> Qwen35MoE:
     """The CPU form for resolved options (max_seq_len, chunk filled in): ExecuTorch's model, its
     weights those the quantize stage starts from (unquantized, in `weights_dtype`), transformed."""
     from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _strip_sampler_from_forward

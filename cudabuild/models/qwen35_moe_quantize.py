@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from cudabuild.models import qwen35_moe_weights as weights
-from cudabuild.options import Options
 
 BUNDLE = "model.safetensors"
 CONFIG = "config.json"
@@ -68,7 +67,7 @@ def _release(device: str) -> None:
 # one layer (or the lm_head) at a time, the host one part, never the whole bf16 model.
 
 
-def _quantize_part(prefix: str, module, config, options: Options) -> None:
+def _quantize_part(prefix: str, module, config, options) -> None:
     """The stock `_quantize`'s steps for one part, in place, where the part lies: a layer's experts
     to packed int4 and its linears (as the lm_head's) by `qlinear`; the embedding by `qembedding`."""
     from executorch.examples.models.qwen3_5_moe.export import _quantize_experts_int4
@@ -100,7 +99,7 @@ def _flattened(prefix: str, module) -> tuple[dict, dict]:
     return flatten_tensor_state_dict(state)
 
 
-def quantize_streamed(options: Options, config, path: Path, device: str) -> dict:
+def quantize_streamed(options, config, path: Path, device: str) -> dict:
     """Make, quantize and write every part in turn; the bundle at `path`. Returns what it measured."""
     from cudabuild.formats.safetensors_stream import SafetensorsStream
 
@@ -138,7 +137,7 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def quantize(options: Options, folder: Path, device: str) -> dict[str, Path]:
+def quantize(options, folder: Path, device: str) -> dict[str, Path]:
     """Build and quantize the model the options describe, a part at a time; write the bundle into
     `folder`. A stock prequantized bundle (`prequantized=DIR`) is adopted as it is: `bundle.json`
     names it, and its tensors key this stage like a checkpoint's."""

@@ -1,11 +1,11 @@
-"""The named sizes of ExecuTorch's Qwen3.5-MoE, what their weights measure, and how many of a
-model's layers a build keeps.
+"""The named sizes of ExecuTorch's Qwen3.5-MoE, and how many of a model's layers a build keeps.
 
 Owns the table of sizes (the recipe's `size` choices: the stock `--tiny-test` config, and
-Qwen35MoEConfig's defaults, 35B-A3B), the bytes their weights were measured at, and the one rule of
-the `layers` option (`kept_layers`: 0 keeps every layer). Must not touch: torch, the model's
-classes, a checkpoint's files: the option table (recipes/qwen_moe.py) and the checkpoint's check
-(qwen_moe_checkpoint.py), which run before any stage, read it.
+Qwen35MoEConfig's defaults, 35B-A3B) and the one rule of the `layers` option (`kept_layers`: 0
+keeps every layer). Must not touch: torch, the model's classes, a checkpoint's files: the option
+table (recipes/qwen_moe.py) and the checkpoint's check (qwen_moe_checkpoint.py), which run before
+any stage, read it; and what the weights measure (qwen35_moe.py), since the quantize stage is keyed
+on this module too.
 """
 
 from __future__ import annotations
@@ -23,14 +23,6 @@ TINY = dict(
 SIZES = {"tiny": TINY, "35b-a3b": {}}
 # The layers of a size that does not say: Qwen35MoEConfig's default, 35B-A3B's 40.
 DEFAULT_LAYERS = 40
-
-# The quantized bundle of the 35b-a3b size (min/max, qlinear=4w, group 32), measured on the H100:
-# 20,382,819,592 B at 40 layers and 5.14 GB at 8, so the embedding and the lm_head take about
-# 1.33 GB and a layer (its 256 int4 experts, mostly) about 0.476 GB.
-BUNDLE_BASE, BUNDLE_PER_LAYER = {"35b-a3b": 1_329_000_000}, {"35b-a3b": 476_300_000}
-# Unquantized (bf16) the same size is about 3.56x the int4 bundle's bytes a layer (2 bytes a weight
-# against 0.5625), and the embedding and lm_head take 1.02 GB each.
-BF16_BASE, BF16_OF_INT4 = {"35b-a3b": 2_034_000_000}, 2 / 0.5625
 
 
 def depth(size: str) -> int:

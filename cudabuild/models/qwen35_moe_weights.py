@@ -21,21 +21,20 @@ from typing import Iterator
 import torch
 
 from cudabuild.models.qwen35_moe_sizes import SIZES, kept_layers
-from cudabuild.models.qwen_moe_checkpoint import CONFIG_FILE
-from cudabuild.options import Options
 
 # Buffers that are per-session state or recomputed at load (ExecuTorch's loader lists the same):
 # not part of the weights, and shaped by max_seq_len, which must not key the quantize stage.
 RUNTIME_BUFFERS = (".kv_cache.", ".conv_state", ".recurrent_state", ".cache_positions", ".inv_freq", ".mask")
+CONFIG = "config.json"  # a Hugging Face checkpoint's, as a bundle's
 
 
-def model_config(options: Options):
+def model_config(options):
     """The Qwen35MoEConfig the options describe (its max_seq_len is the size's: the weights do not
     depend on it)."""
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
 
     if options.checkpoint:
-        config = Qwen35MoEConfig.from_hf_config(os.path.join(os.path.expanduser(options.checkpoint), CONFIG_FILE))
+        config = Qwen35MoEConfig.from_hf_config(os.path.join(os.path.expanduser(options.checkpoint), CONFIG))
     else:
         config = Qwen35MoEConfig(**SIZES[options.size])
     layers = kept_layers(options.layers, config.num_hidden_layers)
@@ -104,7 +103,7 @@ def _drawn(module, prefix: str, seed: int, device: str, dtype=torch.bfloat16):
     return _frozen(module)
 
 
-def weight_parts(options: Options, config, device: str,
+def weight_parts(options, config, device: str,
                  dtype=torch.bfloat16) -> Iterator[tuple[str, torch.nn.Module]]:
     """(prefix, module on `device`, its weights of `dtype`) for every part, in order: the
     embedding, the layers, the norm, the lm_head. The quantize stage quantizes them (bf16); the
