@@ -135,7 +135,7 @@ def main() -> None:
         parser.error(f"unknown case {sorted(cases - set(CASES))[0]}; the cases are {', '.join(CASES)}")
 
     sys.path.insert(0, str(ROOT))
-    from cudabuild.models.safetensors_parts import read_raw_header  # no torch: this process stays small
+    from cudabuild.formats.safetensors_parts import read_raw_header  # no torch: this process stays small
 
     work = args.work or Path(tempfile.mkdtemp(prefix="cudabuild-big-"))
     work.mkdir(parents=True, exist_ok=True)

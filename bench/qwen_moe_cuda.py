@@ -47,9 +47,12 @@ ESTIMATE = {"cold": 240, "cold2w": 240, "noop": 10, "restore": 15, "runtime": 60
 MODEL, TARGET = "qwen_moe", "cuda"
 
 
-def built_options(project: Path) -> dict:
-    """The recipe options the project's last build resolved (its manifest's)."""
-    return json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+def built_options(project: Path):
+    """The recipe options the project's last build resolved (its manifest's), typed as the models read them."""
+    from cudabuild.registry import load_recipe
+
+    values = json.loads((project / "build" / MODEL / TARGET / "manifest.json").read_text())["options"]
+    return load_recipe(project, MODEL).for_target(TARGET).defaults(TARGET).replace(**values)
 
 
 # -- the stock exporter ---------------------------------------------------------------------------
@@ -98,7 +101,7 @@ def eager_model(project: Path, cache: Path, options: dict):
     sys.path.insert(0, str(project))
     from cudabuild.backend import custom_ops
     from cudabuild.engine.store import Store
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
 
     custom_ops.register("cuda")  # the Triton ops the model's forward calls, with their fixes
@@ -107,7 +110,7 @@ def eager_model(project: Path, cache: Path, options: dict):
     folder = Path(tempfile.mkdtemp(prefix="bundle-"))
     for name, sha in stamp["outputs"].items():
         (folder / name).symlink_to(store.objects.verified_path(sha))
-    model = qwen35_moe.load(options, folder)
+    model = qwen35_moe_cuda.load(options, folder)
     _move_to_cuda(model, model.config)
     return model.eval()
 
@@ -133,7 +136,7 @@ def runtime_case(bench: Bench, name: str, project: Path, cache: Path, runtime: s
     """The package in ExecuTorch's runtime: prefill then decode, state shared, checked and timed."""
     import torch
 
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
 
     build = project / "build" / MODEL / TARGET
     pte, ptd = build / "model.pte", build / "aoti_cuda_blob.ptd"
@@ -147,10 +150,10 @@ def runtime_case(bench: Bench, name: str, project: Path, cache: Path, runtime: s
     files.mkdir(exist_ok=True)
     greedy = torch.tensor([1e-6], dtype=torch.float32)
     with torch.no_grad():
-        qwen35_moe.prepare_prefill(model, options)
+        qwen35_moe_cuda.prepare_prefill(model, options)
         prefill_logits = model(prompt[None].cuda(), torch.arange(P).cuda()).float()[0, -1].cpu()
         first = int(prefill_logits.argmax())
-        qwen35_moe.prepare_decode(model, options)
+        qwen35_moe_cuda.prepare_decode(model, options)
         decode_logits = model(torch.tensor([[first]]).cuda(), torch.tensor([P]).cuda()).float()[0, -1].cpu()
     inputs = [write_input(files, "prompt", prompt[None]), write_input(files, "pos", torch.arange(P)),
               write_input(files, "temp", greedy)]
@@ -178,9 +181,9 @@ def runtime_case(bench: Bench, name: str, project: Path, cache: Path, runtime: s
     tok, pos, t = torch.tensor([[first]]).cuda(), torch.tensor([P]).cuda(), greedy.cuda()
     prompt_c, ppos = prompt[None].cuda(), torch.arange(P).cuda()
     with torch.no_grad():
-        qwen35_moe.prepare_decode(model, options)
+        qwen35_moe_cuda.prepare_decode(model, options)
         timings["eager decode"] = cuda_ms(lambda: model(tok, pos, t))
-        qwen35_moe.prepare_prefill(model, options)
+        qwen35_moe_cuda.prepare_prefill(model, options)
         timings["eager prefill"] = cuda_ms(lambda: model(prompt_c, ppos, t), warmup=3, repeat=20)
     entry["timings"] = timings
     entry["prefill_tokens"] = P

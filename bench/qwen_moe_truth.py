@@ -142,12 +142,12 @@ def analyse(project: Path, cache: Path, options: dict, stamps: dict, result: dic
     import torch
 
     from cudabuild.engine.store import Store
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
 
     store = Store(cache)
     model = eager_model(project, cache, options)
-    methods = {"decode": (qwen35_moe.prepare_decode, qwen35_moe.decode_steps(model)),
-               "prefill": (qwen35_moe.prepare_prefill, qwen35_moe.prefill_steps(model))}
+    methods = {"decode": (qwen35_moe_cuda.prepare_decode, qwen35_moe_cuda.decode_steps(model)),
+               "prefill": (qwen35_moe_cuda.prepare_prefill, qwen35_moe_cuda.prefill_steps(model))}
     runs: dict = {m: {} for m in methods}
     for method, (prepare, steps) in methods.items():
         prepare(model, options)
@@ -201,11 +201,10 @@ def main() -> None:
     stamps = stamps_of(project)
     from cudabuild.models import qwen35_moe
 
-    from cudabuild.options import defaults
     from cudabuild.registry import load_recipe
 
-    stock = defaults(load_recipe(project, "qwen_moe").options, "cuda")
-    options = qwen35_moe.resolve(dict(stock, size="35b-a3b", layers=args.layers), stock)
+    stock = load_recipe(project, "qwen_moe").for_target("cuda").defaults("cuda")
+    options = qwen35_moe.resolve(stock.replace(size="35b-a3b", layers=args.layers))
     # The emulate_precision_casts=ON build (compiles only) runs in a copy of the project beside the analysis.
     on_project = None
     if "on" in args.cases:

@@ -4,7 +4,7 @@
 
 One shard per decoder layer plus one for the embeddings, the final norm and the head (the way
 Hugging Face shards by size, roughly), an index, and a config.json that ExecuTorch's
-`Qwen35MoEConfig.from_hf_config` reads back to the same shapes (cudabuild/models/qwen35_moe_hf.py).
+`Qwen35MoEConfig.from_hf_config` reads back to the same shapes (tests/_qwen35_moe_hf.py).
 Tensors are random, scaled for what each does (fan-in for matrices), so activations stay O(1) and
 verify compares meaningful numbers. Written one shard at a time: memory stays at about one shard,
 whatever the checkpoint's size.
@@ -21,10 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the checkpoint writers are the tests' (no build writes one)
 
 import torch  # noqa: E402
 
-from cudabuild.models import checkpoint, qwen35_moe_hf, qwen35_moe_quantize  # noqa: E402
+import _checkpoint as checkpoint  # noqa: E402
+import _qwen35_moe_hf as qwen35_moe_hf  # noqa: E402
+from cudabuild.models import qwen35_moe_sizes  # noqa: E402
 from cudabuild.engine.files import atomic_write_text  # noqa: E402
 
 PREFIX = qwen35_moe_hf.PREFIX
@@ -66,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--layers", type=int, default=5)
-    parser.add_argument("--size", default="35b-a3b", choices=tuple(qwen35_moe_quantize.SIZES))
+    parser.add_argument("--size", default="35b-a3b", choices=tuple(qwen35_moe_sizes.SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--info", type=Path, help="also write what was written (bytes, shards, seconds) here, as JSON")
     args = parser.parse_args()

@@ -1,5 +1,9 @@
 """One build's configuration, merged once from the command line and the recipe, then frozen.
 
+Owns that merge and its one report of every problem (BuildConfig, load_config). Must not touch:
+torch (a no-op build configures without it: the recipe's description and resolve come memoised
+through cudabuild.registry), a stage, the keys (cudabuild.pipeline composes them from the config).
+
 `doit export model=NAME target=cpu size=tiny max_autotune=ON decode.low_memory_mode=ON`:
 `model` and `target` pick the build; a spec key (or `METHOD.KEY`) overrides a compile spec; any
 other name must be one of the recipe's options (its table: cudabuild/options.py, which checks
@@ -35,7 +39,7 @@ class BuildConfig:
     project: Path
     model: str
     target: str
-    options: Mapping[str, Any]
+    options: option_table.Options  # typed: an attribute per row of the recipe's table (a mapping too)
     specs: Mapping[str, Mapping[str, str]]  # method -> {key: value}
     description: Mapping[str, Any]
     target_note: Optional[str] = None
@@ -56,16 +60,21 @@ class BuildConfig:
         return (self.build_root or self.project / "build") / self.model / self.target
 
     @property
+    def table(self) -> option_table.Table:
+        """The recipe's option table, as its description holds it (no recipe imported)."""
+        return option_table.table(option_table.Option.from_data(o) for o in self.description.get("option_table", ()))
+
+    @property
     def checkpoint(self) -> Optional[Path]:
-        value = self.options.get("checkpoint")
+        """The folder the table's `checkpoint` option names, or None."""
+        value = next((self.options.get(o.name) for o in self.table if o.checkpoint), None)
         return Path(value).expanduser().resolve() if value else None
 
     @property
     def shown_options(self) -> dict[str, str]:
         """The options' values as the console shows them, with what a value means where it says
         (`layers: 0 (every layer)`)."""
-        table = option_table.table(option_table.Option.from_data(o) for o in self.description["option_table"])
-        return option_table.shown_values(table, self.options)
+        return option_table.shown_values(self.table, self.options)
 
     @property
     def pipeline(self) -> Pipeline:

@@ -18,7 +18,7 @@ A build that died (killed, the machine taken back) leaves its finished stages in
 `start` again resumes it, and only the unfinished stages run.
 
 The stages a build ran or restored are those whose stamps carry its run id: the keeper gives the
-build its id ($CUDABUILD_RUN_ID, which cudabuild.doit_tasks takes for its RUN_ID), and keeps the
+build its id ($CUDABUILD_RUN_ID, which cudabuild.doit_tasks.DoitRun takes for its run_id), and keeps the
 list in the record once the build ended, so that a later build of the folder, which rewrites
 stamps, does not change what `status` says of this one. (A stamp's time said nothing of whose it was.)
 

@@ -1,6 +1,8 @@
 """What a doit command line holds, read as doit reads it, before doit has: its settings (NAME=VALUE)
 and its words (a command, then task names).
 
+Owns reading argv the way doit does; decides nothing about models or stages. No torch here.
+
     doit exprot model=tiny_lm             -> 'exprot' is not a task or a doit command; did you mean export?
     doit export model=tiny_lm layers=1 layers=3   -> layers=1 layers=3: layers is given 2 values; give layers once
 
@@ -11,12 +13,15 @@ creators ask here and say it in one line, with everything else that is wrong, be
 The words are found with doit's own option tables and parser (cmdparse), so an option's value
 (`-n 2`, `--db-file x`) is never taken for a word.
 
-Owns reading argv the way doit does; decides nothing about models or stages. No torch here.
+`CommandLine.read(argv)` is the one reading: the command, its task words, doit's own options given
+(`-n`, `-P`, `--db-file`, `--backend`, by doit's names for them), and the settings. cudabuild's
+doit tasks (cudabuild.doit_tasks) ask it what they need before doit hands it over.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
 
 from cudabuild import options as option_table
 from cudabuild.errors import compose
@@ -30,10 +35,51 @@ def settings(argv: list[str]) -> list[tuple[str, str]]:
     return [tuple(arg.split("=", 1)) for arg in argv if arg[:1] != "-" and "=" in arg]
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """One doit command line, as doit reads it: what cudabuild's tasks need of it before doit hands
+    it over (the worker count DOIT_CONFIG says, the database doit is about to open, the tasks asked
+    for, a build's settings)."""
+
+    argv: tuple[str, ...]
+    command: str  # doit's command: `run` where none is named
+    words: tuple[str, ...]  # the task names given
+    settings: Mapping[str, str] = field(default_factory=dict)  # NAME=VALUE: the last value of a name wins
+    options: Mapping[str, Any] = field(default_factory=dict)  # doit's own options given, by doit's names
+
+    @classmethod
+    def read(cls, argv: Iterable[str]) -> "CommandLine":
+        argv = tuple(argv)
+        command, found, given = _parsed(list(argv))
+        return cls(argv, command, tuple(found), dict(settings(list(argv))), given)
+
+    def requested(self, task: str) -> bool:
+        """Whether the command line names `task` or one of its sub-tasks (`nightly:report`)."""
+        return any(word == task or word.startswith(task + ":") for word in self.words)
+
+    @property
+    def builds(self) -> bool:
+        """Whether doit runs tasks (`doit export ...` is `run`), rather than lists or cleans them."""
+        return self.command == "run"
+
+    def workers(self, default: int) -> int:
+        """The worker count doit runs with: `-n N` (`--process N`), else `default`; doit's 0 (no
+        worker processes) is one stage at a time, as 1 is."""
+        given = self.options.get("num_process")
+        return max(1, given) if isinstance(given, int) and given >= 0 else default
+
+
 def words(argv: list[str]) -> tuple[str, list[str]]:
     """(the doit command, its words): the command `run` where none is named, as doit decides
     (DoitMain.run); the words after doit's options, up to the first option given after them
     (which doit refuses itself). No words where doit's own parser fails: doit says why."""
+    command, found, _ = _parsed(argv)
+    return command, found
+
+
+def _parsed(argv: list[str]) -> tuple[str, list[str], dict[str, Any]]:
+    """(the command, its words, doit's options given: {name: value}), by doit's own option tables
+    and parser; no words and no options where the parser fails (doit then says why itself)."""
     from doit.cmd_base import DodoTaskLoader, DoitCmdBase
     from doit.cmdparse import CmdOption, CmdParse, CmdParseError
     from doit.doit_cmd import DoitMain
@@ -50,16 +96,16 @@ def words(argv: list[str]) -> tuple[str, list[str]]:
     declared = list(command.cmd_options)
     if issubclass(command, DoitCmdBase):
         declared = list(DoitCmdBase.base_options) + loader_options + declared
-    try:
-        _, positional = CmdParse([CmdOption(o) for o in declared]).parse(args)
+    try:  # no defaults: what is not None was given
+        params, positional = CmdParse([CmdOption(dict(o, default=None)) for o in declared]).parse(args)
     except CmdParseError:
-        return name, []
+        return name, [], {}
     found = []
     for word in positional:
         if word.startswith("-"):
             break
         found.append(word)
-    return name, found
+    return name, found, {key: value for key, value in params.items() if value is not None}
 
 
 def given_twice(argv: list[str]) -> list[str]:

@@ -1,16 +1,21 @@
-"""A recipe's options as one table, and the one check of what the command line gives them.
+"""A recipe's options as one table, the one check of what the command line gives them, and the
+typed object a build's options become (`Options`).
+
+Owns the table's shape, its check, the typed object it makes and how an option's values are shown.
+Must not touch torch, the recipes' registry or the files an option names (beyond "is it a folder"):
+what a checkpoint holds is checked by the model that reads it, in the recipe's `resolve`.
 
 Each `Option` says its type (that of its default: int, float, bool or str), its range (`minimum`,
 `maximum`) or its `choices`, whether it names a folder that must exist, the targets it applies to
 (none named: every target), and what a value means where the value alone does not say
-(`meaning={0: "every layer"}`). A recipe declares its table once, for every form it has; a
-value given for an option that does not apply to the build's target is refused with the reason,
-as is a value of the wrong type, out of range or not among the choices. `check` collects every
-problem, one line each, and never stops at the first.
-
-Owns the table's shape, its check and how an option's values are shown. Must not touch torch,
-the recipes' registry or the files an option names (beyond "is it a folder"): what a checkpoint
-holds is checked by the model that reads it, in the recipe's `resolve`.
+(`meaning={0: "every layer"}`); and what the build does with it: whether it decides the quantize
+stage's weights (`quantize`), changes the weights' values and nothing else (`values_only`), names
+the checkpoint the weights are read from (`checkpoint`), or is decided by another option when that
+one is given (`decided_by`). A recipe declares its table once, for every form it has; a value given
+for an option that does not apply to the build's target is refused with the reason, as is a value
+of the wrong type, out of range or not among the choices. `check` collects every problem, one line
+each, and never stops at the first; what it accepts is an `Options`: an attribute per row
+(`options.layers`), which is what the models read.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from cudabuild.errors import compose
 
@@ -40,6 +45,18 @@ class Option:
     # A folder that may also be named by its Hugging Face Hub id (ORG/NAME[@REV]), which the
     # configuration resolves to its snapshot folder before this table's check (cudabuild.hub).
     hub: bool = False
+    # What the build does with it (cudabuild.registry describes them, cudabuild.pipeline keys them):
+    # it decides the prepared weights, so the quantize stage's key holds it (a folder by its content);
+    quantize: bool = False
+    # it changes the weights' values and nothing else (a seed): the trace is not keyed on it, and
+    # `cudabuild explain` forecasts that changing it keeps the lowered and compiled code;
+    values_only: bool = False
+    # it names the Hugging Face checkpoint the model's weights are read from: export keys its
+    # tensors, the trace their layout (a folder option; one a table at most);
+    checkpoint: bool = False
+    # it is decided by the option named here when that one is given (a prequantized bundle decides
+    # its own quantization): it must then stay at its default.
+    decided_by: str = ""
 
     def __post_init__(self):
         # A recipe that names its targets by a variable it later rebinds (to a Recipe, say) would
@@ -83,13 +100,17 @@ class Option:
     def as_data(self) -> dict:
         return {"name": self.name, "default": self.default, "minimum": self.minimum, "maximum": self.maximum,
                 "choices": list(self.choices), "targets": list(self.targets), "folder": self.folder,
-                "meaning": [[k, v] for k, v in self.meaning.items()], "help": self.help, "hub": self.hub}
+                "meaning": [[k, v] for k, v in self.meaning.items()], "help": self.help, "hub": self.hub,
+                "quantize": self.quantize, "values_only": self.values_only, "checkpoint": self.checkpoint,
+                "decided_by": self.decided_by}
 
     @classmethod
     def from_data(cls, data: Mapping) -> "Option":
         return cls(data["name"], data["default"], data.get("minimum"), data.get("maximum"), tuple(data.get("choices") or ()),
                    tuple(data.get("targets") or ()), bool(data.get("folder")),
-                   {k: v for k, v in data.get("meaning") or ()}, data.get("help") or "", bool(data.get("hub")))
+                   {k: v for k, v in data.get("meaning") or ()}, data.get("help") or "", bool(data.get("hub")),
+                   bool(data.get("quantize")), bool(data.get("values_only")), bool(data.get("checkpoint")),
+                   data.get("decided_by") or "")
 
 
 Table = tuple[Option, ...]
@@ -105,12 +126,98 @@ def table(declared: Union[Mapping[str, Any], Iterable[Option]]) -> Table:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"options declared twice: {', '.join(twice)}")
+    problems = [f"option {o.name}: its name is one of the options object's own ({o.name})"
+                for o in options if hasattr(Options, o.name) or o.name.startswith("_")]
+    problems += [f"option {o.name}: decided_by={o.decided_by} names no option of the table"
+                 for o in options if o.decided_by and o.decided_by not in names]
+    problems += [f"option {o.name}: checkpoint=True needs folder=True" for o in options if o.checkpoint and not o.folder]
+    if sum(o.checkpoint for o in options) > 1:
+        problems.append(f"options {', '.join(o.name for o in options if o.checkpoint)}: one checkpoint option at most")
+    if problems:
+        raise ValueError("; ".join(problems))
     return options
 
 
 def defaults(options: Table, target: str) -> dict[str, Any]:
     """{name: default} of the options that apply to `target`, in the table's order."""
     return {o.name: o.default for o in options if o.applies_to(target)}
+
+
+class Options(Mapping):
+    """One build's options, typed: an attribute per row of the recipe's table (`options.layers`),
+    each a value of the row's type, in its range and choices, as the option parser (`check`) made
+    it; then what the recipe's `resolve` filled in. Immutable; `replace` makes another.
+
+    A row that does not apply to the build's target reads None (`options.qlinear` on the CPU); a
+    name that is no row is an AttributeError. As a mapping it holds the options that apply, in the
+    table's order: what the keys, the manifest and the messages hold (`dict(options)`).
+    """
+
+    __slots__ = ("_rows", "_values")
+
+    def __init__(self, rows: Iterable[Option], values: Mapping[str, Any]):
+        rows = tuple(rows)
+        named = {o.name for o in rows}
+        strangers = [name for name in values if name not in named]
+        if strangers:
+            raise KeyError(f"not options of this table: {', '.join(strangers)} (its options: {', '.join(sorted(named))})")
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_values", {o.name: values[o.name] for o in rows if o.name in values})
+
+    @property
+    def rows(self) -> Table:
+        return self._rows
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        if any(o.name == name for o in self._rows):
+            return None  # a row that does not apply to this build's target
+        raise AttributeError(f"'{name}' is not an option of this recipe (its options: "
+                             f"{', '.join(o.name for o in self._rows)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"options are not changed in place; options.replace({name}=...) makes new ones")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Options({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+    def __reduce__(self):
+        return Options, (self._rows, self._values)
+
+    def replace(self, **changes: Any) -> "Options":
+        """These options with `changes` (names of options that apply to the build) made."""
+        strangers = [name for name in changes if name not in self._values]
+        if strangers:
+            raise KeyError(f"not options of this build: {', '.join(strangers)} (its options: {', '.join(self._values)})")
+        return Options(self._rows, {**self._values, **changes})
+
+    def decided(self) -> dict[str, tuple[list[str], list[str]]]:
+        """For each option given here that decides others by itself (the rows whose `decided_by`
+        names it): (the names it decides, `name=value` of each of them not at its default)."""
+        found: dict[str, tuple[list[str], list[str]]] = {}
+        for decider in self._rows:
+            decides = [o for o in self._rows if o.decided_by == decider.name and o.name in self._values]
+            if decides and self._values.get(decider.name):
+                found[decider.name] = ([o.name for o in decides],
+                                       [f"{o.name}={self._values[o.name]}" for o in decides if self._values[o.name] != o.default])
+        return found
+
+
+def typed_defaults(options: Table, target: str) -> Options:
+    """The options of `target` at their defaults, typed (what `check` gives where nothing is set)."""
+    return Options(options, defaults(options, target))
 
 
 def shown(value: Any) -> str:
@@ -163,8 +270,8 @@ def parse(option: Option, raw: Any) -> tuple[Any, Optional[str]]:
     return value, None
 
 
-def check(model: str, target: Optional[str], options: Table, given: Mapping[str, Any]) -> tuple[dict, list[str]]:
-    """(the options' values for `target`: defaults, then `given`; the problems, one line each).
+def check(model: str, target: Optional[str], options: Table, given: Mapping[str, Any]) -> tuple[Options, list[str]]:
+    """(the options for `target`, typed: defaults, then `given`; the problems, one line each).
 
     `given` holds only names of the table (the caller reports other names). A name whose option
     does not apply to `target` is a problem; so is every value its option cannot take. With no
@@ -185,7 +292,7 @@ def check(model: str, target: Optional[str], options: Table, given: Mapping[str,
             problems.append(compose(setting, why) if option.folder else compose(setting, expected=option.expected()))
             continue
         values[name] = value
-    return values, problems
+    return Options(options, values), problems
 
 
 def given_twice(pairs: Iterable[tuple[str, str]]) -> list[str]:

@@ -8,16 +8,16 @@
            └─────────────────────────────────────────(toolchain)──────────────────────────────────────────┘
 
 Nothing after the trace follows the weights' values where it need not. `trace` (torch.export of
-the recipe's model) is keyed on the code and the weights' layout: the options but the recipe's
-`weights_options` (a seed), and the quantize stage's `layout` facet, not its digest. `export`
-gives the program for this build's weights: the trace's, handed on where it was traced from this
-very model, else the trace's with the new model's weights bound into it by FQN, without
-torch.export (cudabuild.backend.stages.export, which checks that they fit and traces where they
-do not). Edge and compile follow the exported program's *code* (its graph and its tensors' names,
+the recipe's model) is keyed on the code and the weights' layout: the options but those its table
+marks `values_only` (a seed: the description's `weights_options`), and the quantize stage's
+`layout` facet, not its digest. `export` gives the program for this build's weights: the
+trace's, handed on where it was traced from this very model, else the trace's with the new model's
+weights bound into it by FQN, without torch.export (cudabuild.backend.stages.export, which checks
+that they fit and traces where they do not). Edge and compile follow the exported program's *code* (its graph and its tensors' names,
 dtypes, shapes and strides: export's `code` facet), not its weights' values, so new weights for
 the same model trace, lower and compile nothing; `blob` follows the weights, and writes their
-weights blob for the compiled code (cudabuild.backend.stages.blob). A recipe's `weights_options`
-are the options explain knows to change the weights alone (`values_only`).
+weights blob for the compiled code (cudabuild.backend.stages.blob). The `weights_options` are
+the options explain knows to change the weights alone (`values_only`).
 
 `quantize` is in a build only when the recipe's form for the target declares one (ExecuTorch's
 Qwen3.5-MoE on cuda): the weights are prepared once, for both methods' exports. `reference` (the
@@ -40,7 +40,7 @@ from __future__ import annotations
 from cudabuild.backend import toolchain
 from cudabuild.backend.tuning import pinned_digest
 from cudabuild.engine.graph import KeyContext, Pipeline, Stage, StageKind
-from cudabuild.models import safetensors_parts
+from cudabuild.formats import safetensors_parts
 from cudabuild.specs import compile_keeps_weights_on_host, specs_for_stage, times_kernels
 
 STAGES = "cudabuild.backend.stages."
@@ -122,7 +122,8 @@ def _trace(ctx: KeyContext) -> dict:
     traced program. A nightly's next checkpoint in a new folder, of the same layout, traces nothing."""
     description = ctx.config.description
     inputs = _export(ctx)
-    left_out = {*(description.get("weights_options") or ()), "checkpoint",
+    checkpoint = {o["name"] for o in description.get("option_table", ()) if o.get("checkpoint")}
+    left_out = {*(description.get("weights_options") or ()), *checkpoint,
                 *((description.get("quantize") or {}).get("folders") or ())}
     inputs["options"] = {name: value for name, value in inputs["options"].items() if name not in left_out}
     if ctx.config.checkpoint:

@@ -1,5 +1,8 @@
 """What a recipe declares: a model factory, its methods and their compile specs, as plain data.
 
+Owns the shape of that declaration (Recipe, Method, Quantize, Sampler, Lowering). Must not touch
+torch, the registry or a build; an option's table and typed values are cudabuild/options.py's.
+
 A recipe file (`recipes/<name>.py`) defines one module-level `RECIPE = Recipe(...)`. It parses no
 command line and does no I/O at import time; everything that needs torch happens inside the
 callables it hands over, which the stages call. This module must not import torch.
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
+
+from cudabuild.options import Options, table, typed_defaults
 
 # Spec values are per target: {"cpu": {...}, "cuda": {...}}; "all" applies to every target.
 TargetSpecs = Mapping[str, Mapping[str, str]]
@@ -52,7 +57,7 @@ class Method:
     inputs: Callable[[Any], tuple]
     dynamic_shapes: Optional[Callable[[Any], Any]] = None
     specs: TargetSpecs = field(default_factory=dict)
-    prepare: Optional[Callable[[Any, Mapping[str, Any]], None]] = None
+    prepare: Optional[Callable[[Any, Options], None]] = None
     verify_steps: Optional[Callable[[Any], list]] = None
     sampler: Optional[Sampler] = None
 
@@ -64,16 +69,14 @@ class Quantize:
     `run(options, folder, device)` writes the prepared weights into `folder` (for instance a
     model.safetensors and config.json) and returns {name: path} of what it wrote; `load(options,
     folder)` builds the eager model from such a folder. The stage's key is what decides those
-    weights and nothing else: the options named in `options`, the content of the folders named by
-    the options in `folders` (a checkpoint, a prequantized bundle: tensor by tensor), the source of
-    the module that defines `run` (and the project modules it imports), and the toolchain. So a
-    change of compile specs, of a method, or of an export-only option never runs it again.
+    weights and nothing else: the options the table marks `quantize` (a folder among them, a
+    checkpoint or a prequantized bundle, by its content: tensor by tensor), the source of the
+    module that defines `run` (and the project modules it imports), and the toolchain. So a change
+    of compile specs, of a method, or of an export-only option never runs it again.
     """
 
-    run: Callable[[Mapping[str, Any], Any, str], Mapping[str, Any]]
-    load: Callable[[Mapping[str, Any], Any], Any]
-    options: tuple[str, ...] = ()
-    folders: tuple[str, ...] = ()
+    run: Callable[[Options, Any, str], Mapping[str, Any]]
+    load: Callable[[Options, Any], Any]
     # The stage runs on the target's device (torchao packs int4 weights for CUDA's kernels there).
     on_device: bool = True
     # An fp32 truth of the quantized model, for verify on a device (the reference stage calls it):
@@ -112,26 +115,27 @@ class Recipe:
     """A model and how to lower it.
 
     `build(options)` returns the eager `torch.nn.Module`; it is handed the recipe's options for the
-    build's target: the defaults merged with command-line values (`size=35b-a3b layers=4
-    checkpoint=DIR`), each checked against the recipe's option table (cudabuild/options.py: type,
-    range, choices, the targets it applies to), then passed through `resolve` when given.
+    build's target, typed (cudabuild.options.Options: `options.layers`): the defaults merged with
+    command-line values (`size=35b-a3b layers=4 checkpoint=DIR`), each checked against the recipe's
+    option table (type, range, choices, the targets it applies to), then passed through `resolve`
+    when given.
     `constant_methods(model)` returns the metadata methods written into the .pte (ints, floats,
     strings, lists of them). With `quantize`, the model comes from the quantize stage's output
     (`quantize.load`) instead of `build`.
     """
 
-    build: Optional[Callable[[Mapping[str, Any]], Any]]
+    build: Optional[Callable[[Options], Any]]
     methods: tuple[Method, ...]
-    # The option table: cudabuild.options.Option rows (each with its type, range or choices, and
-    # the targets it applies to), one table for every form of the model; or a plain
-    # {name: default} for options of any value of their default's type.
+    # The option table: cudabuild.options.Option rows (each with its type, range or choices, the
+    # targets it applies to, and what the build does with it), one table for every form of the
+    # model; or a plain {name: default} for options of any value of their default's type.
     options: Any = field(default_factory=dict)
     # `resolve(options)` fills in options whose value follows from others (a length read from the
     # checkpoint's config.json) and refuses what cannot be built, before any stage runs, raising
-    # InvalidConfig with every problem; what it returns is what the keys and the manifest hold. It
-    # may read what the folders its options name hold, but of a .safetensors file only its header
-    # (cudabuild.registry keys its memo by those).
-    resolve: Optional[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = None
+    # InvalidConfig with every problem; what it returns (`options.replace(...)`) is what the keys
+    # and the manifest hold. It may read what the folders its options name hold, but of a
+    # .safetensors file only its header (cudabuild.registry keys its memo by those).
+    resolve: Optional[Callable[[Options], Mapping[str, Any]]] = None
     specs: TargetSpecs = field(default_factory=dict)
     constant_methods: Optional[Callable[[Any], Mapping[str, Any]]] = None
     # Per-dtype verify tolerance overrides, e.g. {"float32": 1e-4}.
@@ -142,20 +146,15 @@ class Recipe:
     lowering: Optional[Lowering] = None
     # The form of this model for other targets: {"cuda": Recipe(...)}.
     targets: Mapping[str, "Recipe"] = field(default_factory=dict)
-    # Options that change the weights' values and nothing else (a seed): `cudabuild explain`
-    # forecasts that changing one keeps the lowered and compiled code (the build checks it anyway).
-    weights_options: tuple[str, ...] = ()
     # `weights_bytes(resolved options)`: about how many bytes its weights take as the build keeps
     # them (a quantized bundle), from the options alone, before any stage: what the build's disk
     # need is projected from (cudabuild.engine.room). None: not projected.
-    weights_bytes: Optional[Callable[[Mapping[str, Any]], int]] = None
+    weights_bytes: Optional[Callable[[Options], int]] = None
 
     def for_target(self, target: str) -> "Recipe":
         return self.targets.get(target, self)
 
-    def defaults(self, target: str = "cpu") -> dict[str, Any]:
-        """{name: default} of the options that apply to `target` (what `build` gets when the
-        command line sets none)."""
-        from cudabuild import options
-
-        return options.defaults(options.table(self.options), target)
+    def defaults(self, target: str = "cpu") -> Options:
+        """The options that apply to `target` at their defaults, typed (what `build` gets, before
+        `resolve`, when the command line sets none)."""
+        return typed_defaults(table(self.options), target)

@@ -1,6 +1,10 @@
 """The recipe registry: which models exist, and what each recipe declares, without importing torch
 when nothing changed.
 
+Owns finding recipes, their sources, and the memos of their description and `resolve`. Must not
+touch: a build's settings (cudabuild.config merges them), a key's composition (cudabuild.pipeline),
+torch but through importing a recipe whose sources changed.
+
 `recipes/<name>.py` is model `<name>`. A recipe's *sources* are its file plus every project-local
 module it imports, found statically (an AST walk, transitively), so a no-op build can check them
 by stat alone. Its *description* (method names, declared specs, option defaults) needs the recipe
@@ -20,10 +24,10 @@ from typing import Optional
 from cudabuild import options as option_table
 from cudabuild.errors import InvalidConfig, RecipeError, UnknownModel
 from cudabuild.engine.hashing import FileHasher, code_digest, digest
-from cudabuild.models.safetensors_parts import header_digest
+from cudabuild.formats.safetensors_parts import header_digest
 
 # Bump when the description's shape changes, so old memo entries are not reused.
-DESCRIPTION_VERSION = 5
+DESCRIPTION_VERSION = 6
 
 
 def recipes_dir(project: Path) -> Path:
@@ -160,21 +164,22 @@ def describe(project: Path, model: str, store, target: str) -> dict:
         "specs": {t: dict(v) for t, v in recipe.specs.items()},
         "method_specs": {m.name: {t: dict(v) for t, v in m.specs.items()} for m in recipe.methods},
         "tolerances": dict(recipe.tolerances),
-        "quantize": _quantize_description(project, recipe.quantize),
+        "quantize": _quantize_description(project, recipe.quantize, table, target),
         "samplers": {m.name: {"temperature_input": m.sampler.temperature_input,
                               "greedy_temperature": m.sampler.greedy_temperature}
                      for m in recipe.methods if m.sampler is not None},
         "strict_export": recipe.strict_export,
         "lowering": recipe.lowering.as_data() if recipe.lowering else None,
-        "weights_options": list(recipe.weights_options),
+        "weights_options": [o.name for o in table if o.values_only],
     }
     store.actions.put_json(memo_key, description)
     return description
 
 
-def _quantize_description(project: Path, quantize) -> Optional[dict]:
-    """The quantize stage's declaration as data: the options and folders that key it, and the
-    sources of the module that defines it (the only code its key follows)."""
+def _quantize_description(project: Path, quantize, table: option_table.Table, target: str) -> Optional[dict]:
+    """The quantize stage's declaration as data: the options and folders that key it (the rows of
+    the table marked `quantize` that apply to `target`), and the sources of the module that defines
+    it (the only code its key follows)."""
     if quantize is None:
         return None
     # Found by module name among the project's files, as the recipe's own sources are.
@@ -183,17 +188,20 @@ def _quantize_description(project: Path, quantize) -> Optional[dict]:
         raise RecipeError(f"the quantize step of a recipe must be defined in a module of the project, "
                           f"not {quantize.run.__module__}")
     truth = _module_file(project, quantize.truth.__module__) if quantize.truth is not None else None
-    return {"options": list(quantize.options), "folders": list(quantize.folders), "on_device": quantize.on_device,
+    keyed = [o for o in table if o.quantize and o.applies_to(target)]
+    return {"options": [o.name for o in keyed if not o.folder], "folders": [o.name for o in keyed if o.folder],
+            "on_device": quantize.on_device,
             "sources": [str(p.relative_to(project)) for p in module_closure(project, path)],
             "truth_sources": [str(p.relative_to(project)) for p in module_closure(project, truth)] if truth else None}
 
 
-def resolve_options(project: Path, description: dict, options: dict, store) -> dict:
+def resolve_options(project: Path, description: dict, options: option_table.Options, store) -> option_table.Options:
     """The resolved options (resolved_build's)."""
     return resolved_build(project, description, options, store)[0]
 
 
-def resolved_build(project: Path, description: dict, options: dict, store) -> tuple[dict, Optional[int]]:
+def resolved_build(project: Path, description: dict, options: option_table.Options,
+                   store) -> tuple[option_table.Options, Optional[int]]:
     """The recipe's `resolve(options)`, memoised in the store by the sources, the options and what
     the folders the options name hold (config.json and index files by content, each .safetensors
     file by its header: stat-memoised, so a no-op build reads nothing and a touched shard only its
@@ -204,23 +212,23 @@ def resolved_build(project: Path, description: dict, options: dict, store) -> tu
     model = description["model"]
     folders = [o["name"] for o in description.get("option_table", ()) if o.get("folder")]
     memo_key = f"options:{model}:" + digest({
-        "v": DESCRIPTION_VERSION, "sources": description["sources"], "target": description["target"], "options": options,
+        "v": DESCRIPTION_VERSION, "sources": description["sources"], "target": description["target"], "options": dict(options),
         "folders": {name: folder_digest(options.get(name), store.hasher) for name in folders if options.get(name)},
     })
     resolved = store.actions.get_json(memo_key)
     if resolved is None:
         recipe = load_recipe(project, model).for_target(description["target"])
         try:
-            resolved = {"options": dict(recipe.resolve(dict(options)))}
+            resolved = {"options": dict(recipe.resolve(options))}
             if recipe.weights_bytes is not None:
-                resolved["weights_bytes"] = int(recipe.weights_bytes(resolved["options"]))
+                resolved["weights_bytes"] = int(recipe.weights_bytes(options.replace(**resolved["options"])))
         except InvalidConfig as e:
             resolved = {"problems": e.problems}
         store.actions.put_json(memo_key, resolved)
     if "problems" in resolved:
         raise InvalidConfig(resolved["problems"])
-    # in the order given, memo or not
-    return {name: resolved["options"][name] for name in options}, resolved.get("weights_bytes")
+    # typed as given (the table's order), memo or not
+    return options.replace(**{name: resolved["options"][name] for name in options}), resolved.get("weights_bytes")
 
 
 def folder_digest(folder, hasher: FileHasher) -> dict:

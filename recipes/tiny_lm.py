@@ -19,8 +19,8 @@ from cudabuild.recipe import Method, Recipe
 
 
 def build(options) -> TinyLM:
-    torch.manual_seed(options["seed"])
-    return TinyLM(TinyConfig(n_layers=options["layers"])).eval()
+    torch.manual_seed(options.seed)
+    return TinyLM(TinyConfig(n_layers=options.layers)).eval()
 
 
 def decode_inputs(model: TinyLM):
@@ -52,9 +52,9 @@ RECIPE = Recipe(
         Method("decode", inputs=decode_inputs),
         Method("prefill", inputs=prefill_inputs, dynamic_shapes=prefill_shapes),
     ),
-    options=(Option("seed", 0, minimum=0, help="the random weights' seed: another is new weights for the same code"),
+    options=(Option("seed", 0, minimum=0, values_only=True,
+                    help="the random weights' seed: another is new weights for the same code"),
              Option("layers", 2, minimum=1, help="decoder blocks: another count is other code")),
-    weights_options=("seed",),
     specs={
         # Tuning by benchmark buys nothing for a model this small on a CPU; keep builds quick.
         "cpu": {"max_autotune": "OFF"},

@@ -1,6 +1,6 @@
-"""Tests for cudabuild/models/checkpoint.py: the safetensors reader and writer; and loading a Hugging
-Face checkpoint of the tiny qwen_moe (written by cudabuild/models/qwen35_moe_hf.py) through the one
-loader both forms use, ExecuTorch's lazy subset reader a part at a time (qwen35_moe_quantize
+"""Tests for tests/_checkpoint.py: the safetensors reader and writer; and loading a Hugging
+Face checkpoint of the tiny qwen_moe (written by tests/_qwen35_moe_hf.py) through the one
+loader both forms use, ExecuTorch's lazy subset reader a part at a time (qwen35_moe_weights
 `weight_parts`), into the CPU form."""
 
 from __future__ import annotations
@@ -12,17 +12,20 @@ import struct
 import pytest
 import torch
 
-from cudabuild.models import checkpoint as ck
-from cudabuild.models import qwen35_moe_hf as hf
+import _checkpoint as ck
+import _qwen35_moe_hf as hf
+from _checkpoint import CheckpointError
+from conftest import REPO
 from cudabuild.models import qwen35_moe_plain as plain
-from cudabuild.models.checkpoint import CheckpointError
+from cudabuild.registry import load_recipe
 
 PREFIX = hf.PREFIX
+CPU_DEFAULTS = load_recipe(REPO, "qwen_moe").defaults("cpu")
 
 
 def load(path, layers=0, max_seq_len=64):
-    return plain.build({"size": "tiny", "layers": layers, "checkpoint": str(path), "seed": 0,
-                        "max_seq_len": max_seq_len, "chunk": 8})
+    return plain.build(CPU_DEFAULTS.replace(size="tiny", layers=layers, checkpoint=str(path), seed=0,
+                                            max_seq_len=max_seq_len, chunk=8))
 
 
 def stock(path):

@@ -84,7 +84,7 @@ def test_qwen_moe_lengths_come_from_the_size_and_are_in_the_options(store):
 def tiny_checkpoint(folder, edit=None, **changes):
     """A real checkpoint of the tiny qwen_moe (random weights, Hugging Face names and layout), its
     config.json's fields changed by `changes`; `edit(tensors)` may change its tensors first."""
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     qwen35_moe_hf.save(folder, edit=edit)
     qwen35_moe_hf.write_config(folder, qwen35_moe_hf.config_json(**changes))  # fields the tensors do not follow
@@ -177,10 +177,10 @@ def finished(built_tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Real tiny checkpoints, one per class of damage (written by cudabuild.models.checkpoint)."""
+    """Real tiny checkpoints, one per class of damage (written by tests/_checkpoint.py)."""
     import torch
 
-    from cudabuild.models.safetensors_parts import read_raw_header
+    from cudabuild.formats.safetensors_parts import read_raw_header
 
     root = tmp_path_factory.mktemp("checkpoints")
     good = tiny_checkpoint(root / "good")

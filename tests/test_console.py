@@ -36,8 +36,8 @@ def test_a_builds_console_holds_no_third_party_output_and_its_logs_do(built_tiny
 def test_a_failing_stage_shows_its_log_and_the_lines_that_matter(project):
     broken = project.root / "recipes" / "broken_lm.py"
     text = broken_recipe_text(project)
-    text = text.replace("    torch.manual_seed(options[\"seed\"])\n",
-                        "    torch.manual_seed(options[\"seed\"])\n    print('building broken_lm, seed', options['seed'])\n"
+    text = text.replace("    torch.manual_seed(options.seed)\n",
+                        "    torch.manual_seed(options.seed)\n    print('building broken_lm, seed', options.seed)\n"
                         "    import warnings; warnings.warn('a third-party warning', FutureWarning)\n")
     broken.write_text(text)
     result = project.export("model=broken_lm", "target=cpu")
@@ -165,16 +165,15 @@ def test_the_summary_says_what_an_option_means_and_what_the_saved_time_counts(tm
             "added up)") in lines
 
 
-def test_a_finished_stage_names_its_running_time_beside_its_wait(monkeypatch):
+def test_a_finished_stage_names_its_running_time_beside_its_wait():
     """The progress line's time runs from the stage's start here (a worker's import, its turn
     included); the summary counts the stage's own work. A line names both, so the two agree."""
     from cudabuild.engine.console import progress
 
-    monkeypatch.setattr(progress, "_outcome", lambda name: {"export:export.decode": ("ran", 0.01),
-                                                            "export:compile.decode": ("restored", 0.01)}.get(name))
+    outcome = {"export:export.decode": ("ran", 0.01), "export:compile.decode": ("restored", 0.01)}.get
     assert progress.done_words(8.8, ("ran", 3.2)) == "done in 8.8s (3.2s running, 5.6s importing and waiting)"
     stream = io.StringIO()
-    plain = PlainProgress(stream, tick=600)
+    plain = PlainProgress(stream, tick=600, outcome=outcome)
     for name in ("export:export.decode", "export:compile.decode", "export:probe"):
         plain.start(name, None)
         time.sleep(0.2)  # its worker importing, say

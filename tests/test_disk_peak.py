@@ -73,8 +73,7 @@ def _du(*folders: Path) -> int:
 def _fat_recipe(project) -> None:
     """tiny_lm with a vocabulary of 16k at width 256: 33 MB of weights, twice its code's files."""
     text = (project.root / "recipes" / "tiny_lm.py").read_text()
-    fat = text.replace("TinyConfig(n_layers=options[\"layers\"])",
-                       "TinyConfig(n_layers=options[\"layers\"], dim=256, vocab_size=16384)")
+    fat = text.replace("TinyConfig(n_layers=options.layers)", "TinyConfig(n_layers=options.layers, dim=256, vocab_size=16384)")
     assert fat != text
     (project.root / "recipes" / "fat_lm.py").write_text(fat)
 
@@ -115,9 +114,11 @@ def test_a_cold_build_never_holds_its_weights_more_than_twice(project, tmp_path)
 def test_a_build_that_cannot_fit_is_refused_before_its_first_stage(project):
     """qwen_moe's CPU form at 35b-a3b keeps its weights in bf16, about 70 GB at 40 layers: on a disk
     with less than 2.2 times that free, the build stops in one line before anything runs."""
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_plain
+    from cudabuild.registry import load_recipe
 
-    need = 2.2 * qwen35_moe.plain_weights_bytes({"size": "35b-a3b", "layers": 0})
+    cpu = load_recipe(project.root, "qwen_moe").defaults("cpu")
+    need = 2.2 * qwen35_moe_plain.weights_bytes(cpu.replace(size="35b-a3b", layers=0))
     if shutil.disk_usage(project.root.parent).free >= need:
         pytest.skip("this disk could hold a 35b-a3b CPU build")
     result = project.export("model=qwen_moe", "size=35b-a3b", "target=cpu")

@@ -4,6 +4,8 @@ doit's four lines and exit status 3 (or, for the setting, the last value taken w
 
 from __future__ import annotations
 
+import pytest
+
 from cudabuild import doit_argv
 
 NAMED = {"tiny_lm": "model", "cpu": "target"}
@@ -16,6 +18,18 @@ def test_words_skip_doits_options_and_their_values_as_doit_does():
     assert doit_argv.words(["-f", "dodo.py", "list", "--all", "model=tiny_lm"]) == ("list", [])
     assert doit_argv.words(["info", "export:probe"]) == ("info", ["export:probe"])
     assert doit_argv.words([]) == ("run", [])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["-n", "4", "nightly", "models=tiny_lm"], True),
+    (["nightly:report"], True),
+    (["run", "--continue", "nightly"], True),
+    (["export", "model=nightly"], False),
+    ([], False),
+    (["list", "--all"], False),
+])
+def test_requested_reads_task_names_only(argv, expected):
+    assert doit_argv.CommandLine.read(argv).requested("nightly") is expected
 
 
 def test_a_word_that_names_no_task_is_one_line_with_what_it_likely_meant():

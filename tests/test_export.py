@@ -23,6 +23,7 @@ from conftest import Project, assert_ok, new_project
 from cudabuild.backend.eager_model import build_model
 from cudabuild.config import BuildConfig
 from cudabuild.models.tiny_lm import TinyConfig
+from cudabuild.registry import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("model=tiny_lm", "target=cpu")
@@ -34,8 +35,8 @@ VOCAB, DIM = TinyConfig().vocab_size, TinyConfig().dim
 def stage_context(seed: int) -> SimpleNamespace:
     """What build_model reads of a stage's context: the build's config (tiny_lm, from this repo),
     the recipe's form it loads, and the checkpoint's digest (none: tiny_lm draws its weights)."""
-    config = BuildConfig(project=REPO, model="tiny_lm", target="cpu", options={"seed": seed, "layers": 2},
-                         specs={}, description={})
+    options = load_recipe(REPO, "tiny_lm").defaults("cpu").replace(seed=seed, layers=2)
+    config = BuildConfig(project=REPO, model="tiny_lm", target="cpu", options=options, specs={}, description={})
     return SimpleNamespace(config=config, recipe=config.recipe, inputs={}, checkpoint_digest=lambda: None)
 
 
@@ -112,14 +113,14 @@ def test_a_new_seed_of_qwen_moe_on_the_cpu_traces_nothing_and_gives_a_cold_build
 # recipe still declares `seed` as changing the weights' values alone.
 MISFITS = {
     # A weight of the same shape, transposed in memory: other strides, so other compiled code.
-    "layout": ("    return TinyLM(TinyConfig(n_layers=options[\"layers\"])).eval()",
-               "    model = TinyLM(TinyConfig(n_layers=options[\"layers\"])).eval()\n"
-               "    if options[\"seed\"] == 1:\n"
+    "layout": ("    return TinyLM(TinyConfig(n_layers=options.layers)).eval()",
+               "    model = TinyLM(TinyConfig(n_layers=options.layers)).eval()\n"
+               "    if options.seed == 1:\n"
                "        model.embed.weight = torch.nn.Parameter(model.embed.weight.detach().t().contiguous().t())\n"
                "    return model"),
     # A non-persistent buffer drawn from the seed: a constant of the program that follows the weights.
-    "constant": ("    return TinyLM(TinyConfig(n_layers=options[\"layers\"])).eval()",
-                 "    model = ShiftedLM(TinyConfig(n_layers=options[\"layers\"])).eval()\n"
+    "constant": ("    return TinyLM(TinyConfig(n_layers=options.layers)).eval()",
+                 "    model = ShiftedLM(TinyConfig(n_layers=options.layers)).eval()\n"
                  "    model.register_buffer(\"shift\", torch.randn(4), persistent=False)\n"
                  "    return model\n\n\n"
                  "class ShiftedLM(TinyLM):\n"

@@ -424,7 +424,7 @@ def test_damaged_doit_db_is_rebuilt_from_the_store(built_tiny, tiny_copy, damage
 
 
 def _checkpoint(folder, damage):
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     qwen35_moe_hf.save(folder, fused=False)
     if damage == "no-config":

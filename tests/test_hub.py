@@ -58,7 +58,7 @@ def hub_cache(home: Path, repo: str, snapshots: dict[str, Path], refs: dict[str,
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Two real tiny qwen_moe checkpoints (other seeds: other weights, same shapes)."""
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     root = tmp_path_factory.mktemp("checkpoints")
     return qwen35_moe_hf.save(root / "main", fused=False), qwen35_moe_hf.save(root / "v1", fused=False, seed=1)

@@ -1,4 +1,4 @@
-"""`doit nightly` (doit_tasks.task_nightly, cudabuild.engine.nightly): many builds in parallel worker
+"""`doit nightly` (doit_tasks.DoitRun.task_nightly, cudabuild.engine.nightly): many builds in parallel worker
 processes, one broken model that stops nobody, and build/nightly.json."""
 
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from cudabuild.doit_tasks import requested
 
 BROKEN_RECIPE = '''"""broken: a recipe whose model cannot be built."""
 from cudabuild.recipe import Method, Recipe
@@ -19,18 +17,6 @@ def build(options):
 
 RECIPE = Recipe(build=build, methods=(Method("forward", inputs=lambda model: ()),))
 '''
-
-
-@pytest.mark.parametrize("argv, expected", [
-    (["-n", "4", "nightly", "models=tiny_lm"], True),
-    (["nightly:report"], True),
-    (["run", "--continue", "nightly"], True),
-    (["export", "model=nightly"], False),
-    ([], False),
-    (["list", "--all"], False),
-])
-def test_requested_reads_task_names_only(argv, expected):
-    assert requested("nightly", argv) is expected
 
 
 @pytest.mark.slow

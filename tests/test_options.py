@@ -1,7 +1,11 @@
-"""Tests for cudabuild/options.py: a recipe's option table, and the one check of the command line's
-values against it (type, range, choices, folder, target), every problem collected."""
+"""Tests for cudabuild/options.py: a recipe's option table, the one check of the command line's
+values against it (type, range, choices, folder, target), every problem collected, and the typed
+object it makes, which the models read by attribute."""
 
 from __future__ import annotations
+
+import ast
+import pickle
 
 import pytest
 
@@ -108,6 +112,77 @@ def test_every_recipe_declares_every_option_with_a_type_and_a_range_or_choices()
                     assert option.minimum is not None or option.choices, where
                 elif option.kind is str:
                     assert option.folder or option.choices, where
+
+
+def test_the_parser_makes_one_typed_object_of_the_table():
+    values, problems = check(layers="3", fast="on")
+    assert problems == [] and isinstance(values, opt.Options)
+    assert (values.layers, values.fast, values.scale, values.size, values.chunk) == (3, True, 1.5, "tiny", 0)
+    assert values.qlinear is None  # a row of another target: not this build's, not in its keys
+    assert list(values) == ["size", "layers", "scale", "fast", "checkpoint", "chunk"]  # the table's order
+    with pytest.raises(AttributeError, match="'layer' is not an option of this recipe"):
+        values.layer  # noqa: B018  (a typo of a model reading its options fails, where it is)
+    with pytest.raises(AttributeError, match="not changed in place"):
+        values.layers = 4
+    again = values.replace(layers=5)
+    assert (again.layers, values.layers) == (5, 3) and again != values
+    with pytest.raises(KeyError, match="not options of this build: qlinear"):
+        values.replace(qlinear="8w")
+    assert pickle.loads(pickle.dumps(values)) == values and pickle.loads(pickle.dumps(values)).layers == 3
+
+
+def test_what_an_option_decides_by_itself_is_a_row_of_the_table():
+    table = opt.table([Option("bundle", "", folder=True), Option("bits", 4, minimum=1, decided_by="bundle"),
+                       Option("seed", 0, minimum=0)])
+    assert opt.Options(table, {"bundle": "/b", "bits": 8, "seed": 1}).decided() == {"bundle": (["bits"], ["bits=8"])}
+    assert opt.Options(table, {"bundle": "/b", "bits": 4, "seed": 1}).decided() == {"bundle": (["bits"], [])}
+    assert opt.Options(table, {"bundle": "", "bits": 8, "seed": 1}).decided() == {}
+    with pytest.raises(ValueError, match="option bits: decided_by=nothing names no option of the table"):
+        opt.table([Option("bits", 4, decided_by="nothing")])
+    with pytest.raises(ValueError, match="option weights: checkpoint=True needs folder=True"):
+        opt.table([Option("weights", "", checkpoint=True)])
+    with pytest.raises(ValueError, match="option items: its name is one of the options object's own"):
+        opt.table([Option("items", 0)])
+
+
+def _reads_of_options(path):
+    """(`NAME` of each `options.NAME` read, each `options["NAME"]` or `options.get("NAME")`) in a file."""
+    read, by_string = set(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "options":
+            read.add(node.attr)
+        target = node.value if isinstance(node, ast.Subscript) else (
+            node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            else None)
+        if isinstance(target, ast.Name) and target.id == "options":
+            key = node.slice if isinstance(node, ast.Subscript) else (node.args[0] if node.args else None)
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                by_string.append(f"{path.name}:{node.lineno}: options[{key.value!r}]")
+    return read, by_string
+
+
+def test_every_option_a_recipe_or_model_reads_is_a_row_of_the_recipes_table():
+    """No option name travels as a string outside the table: a recipe and the models it imports (its
+    sources) read a build's options as attributes of the typed object (`options.layers`), each the
+    name of a row of that recipe's table, never by a string (`options["layers"]`). What the build
+    does with an option (the quantize stage's key, a seed's values alone, the checkpoint, what a
+    bundle decides) is a property of its row, checked when the table is made."""
+    from cudabuild.registry import list_models, load_recipe, source_files
+
+    api = {name for name in dir(opt.Options) if not name.startswith("_")}
+    for model in list_models(REPO):
+        recipe = load_recipe(REPO, model)
+        rows = {o.name for form in [recipe, *recipe.targets.values()] for o in opt.table(form.options)}
+        read, by_string = set(), []
+        for path in source_files(REPO, model):
+            parts = path.relative_to(REPO).parts
+            if parts[0] == "recipes" or parts[:2] == ("cudabuild", "models"):
+                found = _reads_of_options(path)
+                read |= found[0]
+                by_string += found[1]
+        assert read - api, f"{model}: no option read found; the scan is blind"
+        assert read - api <= rows, f"{model} reads options its table does not have: {sorted(read - api - rows)}"
+        assert not by_string, by_string
 
 
 def test_a_name_given_two_values_is_one_problem_and_the_same_value_twice_none():

@@ -9,7 +9,7 @@ import json
 import torch
 
 from cudabuild.backend.stages.quantize import layout_digest
-from cudabuild.models import checkpoint
+import _checkpoint as checkpoint
 
 
 def bundle(folder, seed: int, shape=(8, 4), dtype=torch.bfloat16, config=None) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _qwen35_moe_stock_quantize as stock
 from conftest import REPO
 from cudabuild.backend import custom_ops, sampled_logits
 from cudabuild.config import load_config
@@ -22,13 +23,14 @@ from cudabuild.engine.graph import Result, Stage
 from cudabuild.engine.hashing import digest
 from cudabuild.engine.store import Store
 from cudabuild.models import qwen35_moe as q
+from cudabuild.models import qwen35_moe_cuda as cuda
 from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.models import qwen35_moe_weights as weights
 from cudabuild.pipeline import PIPELINE
-from cudabuild.options import defaults as option_defaults
 from cudabuild.registry import load_recipe
 
-DEFAULTS = option_defaults(load_recipe(REPO, "qwen_moe").options, "cuda")  # the recipe's table: the stock exporter's
-OPTIONS = q.resolve(dict(DEFAULTS, qlinear="8w"), DEFAULTS)
+DEFAULTS = load_recipe(REPO, "qwen_moe").for_target("cuda").defaults("cuda")  # the recipe's table: the stock exporter's
+OPTIONS = q.resolve(DEFAULTS.replace(qlinear="8w"))
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +43,14 @@ def bundle(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def model(bundle):
     custom_ops.register("cuda")  # the Triton ops its forward calls, as the export stage registers them
-    return q.load(OPTIONS, bundle)
+    return cuda.load(OPTIONS, bundle)
 
 
 @pytest.fixture(scope="module")
 def decode(model):
-    q.prepare_decode(model, OPTIONS)
+    cuda.prepare_decode(model, OPTIONS)
     with torch.no_grad():
-        return torch.export.export(model, q.decode_inputs(model), strict=True)
+        return torch.export.export(model, cuda.decode_inputs(model), strict=True)
 
 
 def test_the_bundle_is_the_stock_format_and_the_stock_loader_reads_it(bundle):
@@ -69,11 +71,11 @@ def test_the_bundle_holds_the_quantized_weights_and_no_runtime_state(bundle):
     from executorch.examples.models.qwen3_5_moe.quantize_and_save import load_quantized_state_dict
 
     saved = load_quantized_state_dict(str(bundle / "model.safetensors"))
-    assert not [k for k in saved if any(m in k for m in quant.RUNTIME_BUFFERS)]
-    config = quant.model_config(OPTIONS)
-    again = quant.seeded_model(config, OPTIONS["seed"])
-    quant.quantize_model(again, config, OPTIONS, "cpu")
-    fresh = dict(quant.weights(again))
+    assert not [k for k in saved if any(m in k for m in weights.RUNTIME_BUFFERS)]
+    config = weights.model_config(OPTIONS)
+    again = weights.seeded_model(config, OPTIONS.seed)
+    stock.quantize_model(again, config, OPTIONS, "cpu")
+    fresh = dict(stock.weights(again))
     assert sorted(fresh) == sorted(saved)
     for name in ("layers.0.mlp.experts.w1", "layers.1.attn.qkv_proj.weight", "lm_head.weight", "embed_tokens.weight"):
         a, b = fresh[name], saved[name]
@@ -249,10 +251,10 @@ def test_a_prequantized_bundle_decides_its_own_quantization(project, bundle):
 
 
 def test_the_adopted_bundle_is_loaded_where_it_lies(bundle, tmp_path):
-    written = quant.quantize(dict(OPTIONS, prequantized=str(bundle)), tmp_path, "cpu")
+    written = quant.quantize(OPTIONS.replace(prequantized=str(bundle)), tmp_path, "cpu")
     assert list(written) == [quant.ADOPTED]
     assert json.loads(written[quant.ADOPTED].read_text()) == {"folder": str(bundle.resolve())}
-    loaded = q.load(dict(OPTIONS, prequantized=str(bundle)), tmp_path)
+    loaded = cuda.load(OPTIONS.replace(prequantized=str(bundle)), tmp_path)
     assert loaded.config.num_hidden_layers == 4
 
 
@@ -269,11 +271,11 @@ def _same(a: list, b: list) -> bool:
 def test_drawn_weights_are_the_same_tensors_whatever_the_number_of_layers(tmp_path):
     """Past the tiny size each tensor is drawn by its own generator (seed, name), a part at a time:
     a cut model's bundle holds the first layers of the whole one's, and a second run the same bytes."""
-    options = dict(OPTIONS, size="35b-a3b")  # the drawn path, at the tiny shapes of `config` below
-    full, cut = quant.model_config(OPTIONS), quant.model_config(dict(OPTIONS, layers=2))
+    options = OPTIONS.replace(size="35b-a3b")  # the drawn path, at the tiny shapes of `config` below
+    full, cut = weights.model_config(OPTIONS), weights.model_config(OPTIONS.replace(layers=2))
     quant.quantize_streamed(options, full, tmp_path / "full.safetensors", "cpu")
     quant.quantize_streamed(options, full, tmp_path / "again.safetensors", "cpu")
-    quant.quantize_streamed(dict(options, layers=2), cut, tmp_path / "cut.safetensors", "cpu")
+    quant.quantize_streamed(options.replace(layers=2), cut, tmp_path / "cut.safetensors", "cpu")
     assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "again.safetensors").read_bytes()
     whole, first = _bundle_tensors(tmp_path / "full.safetensors"), _bundle_tensors(tmp_path / "cut.safetensors")
     assert sorted(first) == sorted(n for n in whole if not n.startswith(("layers.2.", "layers.3.")))
@@ -285,16 +287,16 @@ def test_a_checkpoint_streamed_a_part_at_a_time_quantizes_as_the_whole_model_doe
     its bundle holds exactly what the stock whole-model path makes of the same checkpoint."""
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"), shards=2, seed=3)
-    options = dict(OPTIONS, checkpoint=str(tmp_path / "ckpt"))
-    config = quant.model_config(options)
+    options = OPTIONS.replace(checkpoint=str(tmp_path / "ckpt"))
+    config = weights.model_config(options)
     quant.quantize_streamed(options, config, tmp_path / "streamed.safetensors", "cpu")
     whole, _ = Qwen35MoE.from_hf_checkpoint(str(tmp_path / "ckpt"), max_seq_len=64)
-    whole = quant._frozen(whole.to(torch.bfloat16))
-    quant.quantize_model(whole, config, options, "cpu")
-    want = {n: _inner(t) for n, t in quant.weights(whole)}
+    whole = weights._frozen(whole.to(torch.bfloat16))
+    stock.quantize_model(whole, config, options, "cpu")
+    want = {n: _inner(t) for n, t in stock.weights(whole)}
     got = _bundle_tensors(tmp_path / "streamed.safetensors")
     assert sorted(got) == sorted(want)
     assert [n for n in want if not _same(got[n], want[n])] == []
@@ -315,8 +317,8 @@ def test_the_fp32_truth_computes_prefill_and_token_by_token_decode_alike(bundle)
     tokens = ((torch.arange(9) * 37 + 11) % 256)[None]
     prompt = [(tokens, torch.arange(9), None)]
     one_by_one = [(tokens[:, i:i + 1], torch.tensor([i]), None) for i in range(9)]
-    at_once = fp32.truth(OPTIONS, bundle, q.prepare_prefill, prompt, "cpu")
-    stepped = fp32.truth(OPTIONS, bundle, q.prepare_decode, one_by_one, "cpu")
+    at_once = fp32.truth(OPTIONS, bundle, cuda.prepare_prefill, prompt, "cpu")
+    stepped = fp32.truth(OPTIONS, bundle, cuda.prepare_decode, one_by_one, "cpu")
     assert sorted(at_once["truth"]["states"]) == sorted(stepped["truth"]["states"]) != []
     for name, state in at_once["truth"]["states"].items():
         assert state.dtype == torch.float32
@@ -388,7 +390,7 @@ def test_a_checkpoint_of_new_values_keeps_the_trace_key_and_one_of_another_layou
     bytes nor its folder's path: a nightly's next checkpoint, wherever it lies, traces nothing;
     export keys on its content. (Real checkpoints in the released naming; a real Runner's keys.)"""
     from cudabuild.engine.runner import Runner
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
 
     def keys(folder) -> tuple[str, str]:
         runner = Runner(load_config(REPO, {"model": "qwen_moe", "target": "cpu", "checkpoint": str(folder)}, store),

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from cudabuild import registry
 from cudabuild.errors import InvalidOption
 from cudabuild.models import qwen35_moe_plain as plain
-from cudabuild.models import qwen35_moe_quantize as quant
+from cudabuild.models import qwen35_moe_weights as weights
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 37  # spans five delta-rule chunks of the tiny size (chunk 8)
+CPU_DEFAULTS = registry.load_recipe(ROOT, "qwen_moe").defaults("cpu")  # size=tiny, every layer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def recipe():
 
 
 def options(recipe, **changes):
-    return recipe.resolve({**recipe.defaults("cpu"), **changes})
+    return recipe.resolve(recipe.defaults("cpu").replace(**changes))
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +178,8 @@ def test_every_module_that_calls_a_triton_kernel_is_swapped_and_nothing_else(mod
 
 def test_the_transformation_keeps_names_weights_and_buffers():
     """ExecuTorch's model before and after: the same state dict, the very same tensors."""
-    config = quant.model_config({"size": "tiny", "layers": 0})
-    theirs = quant.seeded_model(config, 42)
+    config = weights.model_config(CPU_DEFAULTS)
+    theirs = weights.seeded_model(config, 42)
     before = {name: t.data_ptr() for name, t in theirs.state_dict(keep_vars=True).items()}
     swapped = plain.plain_source_transformations(theirs, chunk=8)
     assert {name: t.data_ptr() for name, t in theirs.state_dict(keep_vars=True).items()} == before
@@ -195,8 +196,8 @@ def test_the_cpu_form_computes_what_executorch_computes_with_its_triton_ops_answ
     from cudabuild.models import qwen35_moe_fp32 as fp32
 
     custom_ops.register("cuda")  # the ops' names, for PlainOps to stand in for
-    config = quant.model_config({"size": "tiny", "layers": 0})
-    theirs = quant.seeded_model(config, 42)
+    config = weights.model_config(CPU_DEFAULTS)
+    theirs = weights.seeded_model(config, 42)
     _quantize_experts_int4(theirs, config, 32)
     _materialize_buffers(theirs, config)
     theirs = theirs.float()
@@ -285,13 +286,13 @@ def test_state_buffers_start_zero_and_update_in_place(recipe):
 def test_recipe_resolves_max_seq_len_and_chunk_from_the_size(recipe):
     base = recipe.defaults("cpu")
     assert recipe.resolve(base) == {**base, "max_seq_len": 64, "chunk": 8}
-    assert recipe.resolve({**base, "size": "35b-a3b"}) == {**base, "size": "35b-a3b", "max_seq_len": 4096, "chunk": 64}
-    assert recipe.resolve({**base, "max_seq_len": 32, "chunk": 16}) == {**base, "max_seq_len": 32, "chunk": 16}
-    model = recipe.build(recipe.resolve({**base, "max_seq_len": 32, "chunk": 16}))
+    assert recipe.resolve(base.replace(size="35b-a3b")) == {**base, "size": "35b-a3b", "max_seq_len": 4096, "chunk": 64}
+    assert recipe.resolve(base.replace(max_seq_len=32, chunk=16)) == {**base, "max_seq_len": 32, "chunk": 16}
+    model = recipe.build(recipe.resolve(base.replace(max_seq_len=32, chunk=16)))
     assert model.config.max_seq_len == 32 and model.layers[0].attn.chunk == 16
     assert model.layers[1].attn.kv_cache.k_cache.shape[2] == 32
     with pytest.raises(InvalidOption, match=r"^qwen_moe option max_seq_len=2: expected an integer >= 4"):
-        recipe.resolve({**base, "max_seq_len": 2})
+        recipe.resolve(base.replace(max_seq_len=2))
 
 
 def test_recipe_cuts_depth_and_refuses_more_layers_than_the_size_has(recipe):
@@ -302,7 +303,7 @@ def test_recipe_cuts_depth_and_refuses_more_layers_than_the_size_has(recipe):
 
 def test_the_cpu_weights_are_the_cuda_forms_before_quantization(recipe, model):
     """One draw for both forms: the stock --tiny-test weights (bf16 values), held here in fp32."""
-    theirs = quant.seeded_model(quant.model_config({"size": "tiny", "layers": 0}), 42)
+    theirs = weights.seeded_model(weights.model_config(CPU_DEFAULTS), 42)
     ours = dict(model.named_parameters())
     for name, t in theirs.named_parameters():
         assert ours[name].dtype == torch.float32 and torch.equal(ours[name], t.float()), name
@@ -318,7 +319,7 @@ def test_constant_methods_are_runner_metadata(recipe, model):
 def test_35b_a3b_has_the_hugging_face_shapes():
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
 
-    config = quant.model_config({"size": "35b-a3b", "layers": 4})
+    config = weights.model_config(CPU_DEFAULTS.replace(size="35b-a3b", layers=4))
     with torch.device("meta"):
         model = Qwen35MoE(config)
     p = dict(model.named_parameters())

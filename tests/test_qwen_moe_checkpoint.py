@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from cudabuild.models import qwen35_moe_hf as hf
+import _qwen35_moe_hf as hf
 from cudabuild.models import qwen_moe_checkpoint as qc
-from cudabuild.models import safetensors_parts
+from cudabuild.formats import safetensors_parts
 
 PREFIX = hf.PREFIX
 
@@ -233,9 +233,9 @@ def test_more_layers_than_the_weights_have_is_said_once_by_resolve(good):
     for given, said in (({"checkpoint": str(good), "layers": 5}, "the checkpoint has 4"),
                         ({"layers": 9}, "the size tiny has 4")):
         with pytest.raises(InvalidConfig) as raised:
-            recipe.resolve({**base, **given})
+            recipe.resolve(base.replace(**given))
         assert raised.value.problems == [f"qwen_moe option layers={given['layers']}: {said}"]
-    assert recipe.resolve({**base, "checkpoint": str(good), "layers": 4})["layers"] == 4
+    assert recipe.resolve(base.replace(checkpoint=str(good), layers=4)).layers == 4
 
 
 def test_a_damaged_header_is_one_line(good, tmp_path):

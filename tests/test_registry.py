@@ -12,7 +12,9 @@ from cudabuild.engine.store import Store
 @pytest.mark.parametrize("model, modules", [
     ("tiny_lm", ["cudabuild/models/tiny_lm.py"]),
     ("qwen_moe", ["cudabuild/models/qwen35_moe.py", "cudabuild/models/qwen35_moe_plain.py",
-                  "cudabuild/models/qwen35_moe_quantize.py", "cudabuild/models/qwen_moe_checkpoint.py"]),
+                  "cudabuild/models/qwen35_moe_cuda.py", "cudabuild/models/qwen35_moe_weights.py",
+                  "cudabuild/models/qwen35_moe_quantize.py", "cudabuild/models/qwen35_moe_sizes.py",
+                  "cudabuild/models/qwen_moe_checkpoint.py", "cudabuild/formats/safetensors_parts.py"]),
 ])
 def test_the_model_modules_a_recipe_imports_are_its_sources(project, model, modules):
     sources = [str(p.relative_to(project.root)) for p in registry.source_files(project.root, model)]

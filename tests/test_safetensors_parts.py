@@ -1,4 +1,4 @@
-"""A checkpoint shard in export's key: one digest per tensor (cudabuild.models.safetensors_parts),
+"""A checkpoint shard in export's key: one digest per tensor (cudabuild.formats.safetensors_parts),
 memoised by the shard's stat signature (engine.hashing.FileHasher), and explained tensor by tensor."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from cudabuild.engine import explain
 from cudabuild.engine.hashing import FileHasher
-from cudabuild.models import checkpoint
-from cudabuild.models.safetensors_parts import tensor_digests, tensor_layouts
+import _checkpoint as checkpoint
+from cudabuild.formats.safetensors_parts import tensor_digests, tensor_layouts
 from cudabuild.pipeline import PIPELINE
 
 PARTS = {".safetensors": tensor_digests}

@@ -1,4 +1,4 @@
-"""cudabuild/models/safetensors_stream.py: a .safetensors file written tensor by tensor, read back by
+"""cudabuild/formats/safetensors_stream.py: a .safetensors file written tensor by tensor, read back by
 the `safetensors` package as the file its own writer makes would be."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cudabuild.models.safetensors_stream import SafetensorsStream
+from cudabuild.formats.safetensors_stream import SafetensorsStream
 
 
 def _read(path):

@@ -126,8 +126,8 @@ def test_an_exported_programs_weight_files_kept_as_ranges_of_a_bundle_are_mapped
     import torch
 
     from cudabuild.backend.programs import archive_regions, load_program, save_program
-    from cudabuild.models.checkpoint import save_file
-    from cudabuild.models.safetensors_parts import tensor_regions
+    from _checkpoint import save_file
+    from cudabuild.formats.safetensors_parts import tensor_regions
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))

@@ -26,13 +26,13 @@ GiB = 1 << 30
 
 
 def test_the_worker_count_comes_from_the_command_line_then_the_environment_then_the_cores():
-    from cudabuild.doit_tasks import workers_from_argv
+    from cudabuild.doit_argv import CommandLine
 
-    assert workers_from_argv(["-n", "3", "export"], 2) == 3
-    assert workers_from_argv(["-n4", "export"], 2) == 4
-    assert workers_from_argv(["--process=5", "export"], 2) == 5
-    assert workers_from_argv(["export", "model=tiny_lm"], 2) == 2
-    assert workers_from_argv(["-n", "0", "export"], 2) == 1
+    assert CommandLine.read(["-n", "3", "export"]).workers(2) == 3
+    assert CommandLine.read(["-n4", "export"]).workers(2) == 4
+    assert CommandLine.read(["--process=5", "export"]).workers(2) == 5
+    assert CommandLine.read(["export", "model=tiny_lm"]).workers(2) == 2
+    assert CommandLine.read(["-n", "0", "export"]).workers(2) == 1
     assert workers.default_workers({"CUDABUILD_JOBS": "3"}) == 3
     assert workers.default_workers({}) == max(1, min(workers.usable_cores(), workers.MAX_DEFAULT_WORKERS))
     for bad in ("0", "two", "-1"):
@@ -197,8 +197,7 @@ LOADED_CONFIG = textwrap.dedent("""
     import sys
     from doit.doit_cmd import DoitMain
     DoitMain().run(sys.argv[1:])
-    import cudabuild.doit_tasks as tasks
-    print(tasks.DOIT_CONFIG["num_process"])
+    print(sys.modules["dodo"].DOIT_CONFIG["num_process"])
 """)
 
 

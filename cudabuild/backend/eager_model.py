@@ -64,9 +64,9 @@ def build_model(ctx):
         custom_ops.register(config.target)  # the ops the model's forward calls (ExecuTorch's Triton ops on cuda)
         try:
             if recipe.quantize is not None:
-                model = recipe.quantize.load(dict(config.options), quantized_folder(ctx))
+                model = recipe.quantize.load(config.options, quantized_folder(ctx))
             else:
-                model = recipe.build(dict(config.options))
+                model = recipe.build(config.options)
             _MODELS[key] = (recipe, model, StoredWeights())
         except CudabuildError:
             raise

@@ -1,6 +1,9 @@
 """An fp32 truth of ExecuTorch's quantized Qwen3.5-MoE, and how far bf16 alone strays from it: what
 verify judges the compiled methods by at the real shapes.
 
+Owns those runs (`truth`, `reference`, `PlainOps`). Must not touch: the build (verify and the
+reference stage call `truth`), the quantizer (qwen35_moe_quantize.py), export.
+
 Why: verify compared the compiled program with the exported program run eagerly in bf16. At
 `size=35b-a3b` the MoE's routing (top 8 of 256 experts on bf16 scores) is chaotic: any difference
 at bf16's last bit moves some token to another expert, and that token's next state by a whole
@@ -20,17 +23,12 @@ plain ops in bf16, as they are and with each router's scores moved by noise belo
 (new near-tie flips each time): the largest distance from the truth of any of them, per state and
 per step. The eager exported program's own distance is kept beside it, so a wrong reference shows
 as one far outside that spread.
-
-Owns those runs. Must not touch: the build (verify and the reference stage call `reference`), the
-quantizer (cudabuild/models/qwen35_moe_quantize.py), export.
 """
 
 from __future__ import annotations
 
 import importlib
 import types
-from typing import Any, Mapping
-
 import torch
 import torch.nn.functional as F
 
@@ -154,7 +152,7 @@ def distance(run: dict, truth: dict) -> dict:
     return {"states": states, "gaps": gaps, "deviations": deviations}
 
 
-def reference(model_loader, options: Mapping[str, Any], method_prepare, steps: list, device: str,
+def reference(model_loader, options, method_prepare, steps: list, device: str,
               eager: dict | None = None) -> dict:
     """The truth of one method's verify steps and bf16's envelope around it.
 
@@ -275,10 +273,10 @@ class _on:
         self.saved = []
 
 
-def truth(options: Mapping[str, Any], folder, prepare, steps: list, device: str, eager: dict | None = None) -> dict:
+def truth(options, folder, prepare, steps: list, device: str, eager: dict | None = None) -> dict:
     """The recipe's `Quantize.truth` (cudabuild.recipe): `reference` on the model the quantize
     stage's bundle in `folder` holds, loaded as the export stage loads it, on the host; each part
     goes to `device` in turn (`runs_layer_by_layer`)."""
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
 
-    return reference(lambda: qwen35_moe.load(options, folder).eval(), options, prepare, steps, device, eager)
+    return reference(lambda: qwen35_moe_cuda.load(options, folder).eval(), options, prepare, steps, device, eager)

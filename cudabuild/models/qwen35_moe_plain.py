@@ -1,7 +1,11 @@
 """ExecuTorch's Qwen3.5-MoE without its Triton kernels: a source transformation, and the model it
 makes for targets that have none (the CPU form of recipes/qwen_moe.py).
 
-Owns the swap and the plain math behind it, as ExecuTorch's own mlx_source_transformations.py and
+Owns the swap and its plain math, the CPU form's `build` and its weights' projected bytes. Must not
+touch: the cuda form (qwen35_moe_cuda.py), where the weights come from (qwen35_moe_weights.py), the
+quantizer, files.
+
+The swap and the plain math behind it go as ExecuTorch's own mlx_source_transformations.py and
 metal_source_transformations.py swap modules for their backends: each module of ExecuTorch's model
 (`executorch.examples.models.qwen3_5_moe.model`) whose forward calls `torch.ops.triton.*` becomes a
 subclass of itself whose forward is plain PyTorch. Its names, parameters and buffers stay as they
@@ -23,11 +27,11 @@ Every op left is one Inductor generates code for itself (matmul, elementwise, re
 gather, cat, slice_scatter): no custom kernels, no topk/sort, no linalg, no data-dependent shapes.
 
 `build(options)` is the CPU form: ExecuTorch's model given the weights the quantize stage starts
-from (cudabuild/models/qwen35_moe_quantize.py `weight_parts`: the size's seeded draw, or a Hugging
+from (cudabuild/models/qwen35_moe_weights.py `weight_parts`: the size's seeded draw, or a Hugging
 Face checkpoint through ExecuTorch's lazy subset reader), in the form's dtype and unquantized,
 its runtime buffers made as ExecuTorch's exporter makes them, transformed, and with the forward
 ExecuTorch binds for backends that sample on the host (`(tokens, input_pos)` -> the last token's
-logits). Must not touch: the cuda form (cudabuild/models/qwen35_moe.py), the quantizer, files.
+logits).
 
 Shape letters:
   B batch (1)   T new tokens   S max_seq_len   N = B*T tokens   D hidden   H query heads
@@ -38,8 +42,7 @@ Shape letters:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
-
+from pathlib import Path
 import torch
 import torch.nn.functional as F
 from executorch.examples.models.qwen3_5_moe.model import (
@@ -52,8 +55,10 @@ from executorch.examples.models.qwen3_5_moe.model import (
 )
 from torch import Tensor
 
-from cudabuild.models import qwen35_moe_quantize as weights
+from cudabuild.models import qwen35_moe_weights as weights
 from cudabuild.models import qwen_moe_checkpoint as checkpoint_fields
+from cudabuild.models.qwen35_moe import BF16_BASE, BF16_OF_INT4, BUNDLE_PER_LAYER
+from cudabuild.models.qwen35_moe_sizes import depth, kept_layers
 
 # The weights' dtype of each size on the CPU (a checkpoint's is its config.json's).
 DTYPES = {"tiny": torch.float32, "35b-a3b": torch.bfloat16}
@@ -341,23 +346,33 @@ def plain_source_transformations(model: Qwen35MoE, chunk: int) -> dict[str, int]
 # The CPU form
 
 
-def weights_dtype(options: Mapping[str, Any]) -> torch.dtype:
+def weights_dtype(options) -> torch.dtype:
     """The CPU form's weights' dtype: a checkpoint's config.json's, else the size's."""
-    if options.get("checkpoint"):
-        from pathlib import Path
-
-        config, _ = checkpoint_fields.read_config(Path(options["checkpoint"]).expanduser())
+    if options.checkpoint:
+        config, _ = checkpoint_fields.read_config(Path(options.checkpoint).expanduser())
         return getattr(torch, checkpoint_fields.checked_fields(config)[0].get("dtype", "bfloat16"))
-    return DTYPES[options["size"]]
+    return DTYPES[options.size]
 
 
-def build(options: Mapping[str, Any]) -> Qwen35MoE:
+def weights_bytes(options) -> int:
+    """About the bytes of the CPU form's weights (qwen35_moe_cuda.py `weights_bytes` for its bundle):
+    a checkpoint's files, or the 35b-a3b size's bf16 weights by layer; tiny's are a few MB (0: not
+    projected)."""
+    if options.checkpoint:
+        folder = Path(options.checkpoint).expanduser().resolve()
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    size = options.size
+    layers = kept_layers(options.layers, depth(size))
+    return int(BF16_BASE.get(size, 0) + BUNDLE_PER_LAYER.get(size, 0) * BF16_OF_INT4 * layers)
+
+
+def build(options) -> Qwen35MoE:
     """The CPU form for resolved options (max_seq_len, chunk filled in): ExecuTorch's model, its
     weights those the quantize stage starts from (unquantized, in `weights_dtype`), transformed."""
     from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _strip_sampler_from_forward
 
     config = weights.model_config(options)  # the size's or the checkpoint's, cut to `layers`
-    config.max_seq_len = int(options["max_seq_len"])
+    config.max_seq_len = options.max_seq_len
     dtype = weights_dtype(options)
     with torch.device("meta"):
         model = Qwen35MoE(config)
@@ -374,7 +389,7 @@ def build(options: Mapping[str, Any]) -> Qwen35MoE:
         if name.endswith(STATES):
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner).register_buffer(leaf, torch.zeros(buf.shape, dtype=dtype))
-    plain_source_transformations(model, int(options["chunk"]))
+    plain_source_transformations(model, options.chunk)
     _strip_sampler_from_forward(model)  # ExecuTorch's forward for backends that sample on the host
     return model.eval().requires_grad_(False)
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from cudabuild.models.safetensors_parts import HeaderError, checked_header
+from cudabuild.formats.safetensors_parts import HeaderError, checked_header
+from cudabuild.models.qwen35_moe_sizes import kept_layers
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -269,7 +270,7 @@ def expected_tensors(v: Mapping, prefix: str, fused: bool, layers: int = 0) -> d
     out = {prefix + "embed_tokens.weight": [V, D], prefix + "norm.weight": [D]}
     if not v.get("tie_word_embeddings"):
         out["lm_head.weight"] = [V, D]
-    n = min(layers, v["num_hidden_layers"]) if layers > 0 else v["num_hidden_layers"]
+    n = kept_layers(layers, v["num_hidden_layers"])
     for i in range(n):
         p = f"{prefix}layers.{i}."
         out.update({p + "input_layernorm.weight": [D], p + "post_attention_layernorm.weight": [D]})
@@ -354,7 +355,7 @@ def check_tensors(folder: Path, v: Mapping, layers: int = 0) -> list[str]:
         return problems
     prefix, fused = layout(files)
     wanted = expected_tensors(v, prefix, fused, layers)
-    kept = min(layers, v["num_hidden_layers"]) if layers > 0 else v["num_hidden_layers"]
+    kept = kept_layers(layers, v["num_hidden_layers"])
     deeper = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
     dtypes = allowed_dtypes(v["dtype"])
     for name in sorted(files):

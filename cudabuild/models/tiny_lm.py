@@ -1,6 +1,7 @@
 """tiny_lm's model: a two-layer decoder with a KV cache, small enough to lower in seconds on 2 CPU cores.
 
-Owns the architecture only; recipes/tiny_lm.py declares how it is built and exported. It
+Owns the architecture only; recipes/tiny_lm.py declares how it is built and exported (its options,
+its methods). Must not touch: options, files, a build. It
 exercises what the big recipes need (token embedding, a causal depthwise conv1d, GQA-free
 attention over a static KV cache updated in place, tied-free LM head).
 

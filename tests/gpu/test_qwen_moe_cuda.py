@@ -49,7 +49,8 @@ def _bundle_model(project):
 
     from cudabuild.backend import custom_ops
     from cudabuild.engine.store import Store
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
+    from cudabuild.registry import load_recipe
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
 
     custom_ops.register("cuda")  # the Triton ops the model's forward calls, with their fixes
@@ -59,9 +60,10 @@ def _bundle_model(project):
     store = Store(project.cache)
     for name, sha in stamp["outputs"].items():
         (folder / name).symlink_to(store.objects.verified_path(sha))
-    model = qwen35_moe.load(manifest["options"], folder)
+    options = load_recipe(REPO, "qwen_moe").for_target("cuda").defaults("cuda").replace(**manifest["options"])
+    model = qwen35_moe_cuda.load(options, folder)
     _move_to_cuda(model, model.config)
-    return model.eval(), manifest["options"]
+    return model.eval(), options
 
 
 def test_the_build_verifies_logits_and_state_of_both_methods(built):
@@ -100,16 +102,16 @@ def _near_argmax(logits, token: int) -> bool:
 def test_executorch_runtime_runs_prefill_then_decode_with_the_state_shared(built, tmp_path):
     import numpy as np
 
-    from cudabuild.models import qwen35_moe
+    from cudabuild.models import qwen35_moe_cuda
 
     model, options = _bundle_model(built)
     P = 9
     prompt = (torch.arange(P) * 37 + 11) % model.config.vocab_size
     with torch.no_grad():
-        qwen35_moe.prepare_prefill(model, options)
+        qwen35_moe_cuda.prepare_prefill(model, options)
         after_prompt = model(prompt[None].cuda(), torch.arange(P).cuda()).float()[0, -1].cpu()
         first = int(after_prompt.argmax())
-        qwen35_moe.prepare_decode(model, options)
+        qwen35_moe_cuda.prepare_decode(model, options)
         after_first = model(torch.tensor([[first]]).cuda(), torch.tensor([P]).cuda()).float()[0, -1].cpu()
     temperature = torch.tensor([GREEDY])
     build = built.root / "build/qwen_moe/cuda"
@@ -139,9 +141,9 @@ def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_pat
     import copy
 
     from cudabuild.backend import custom_ops
-    from cudabuild.models import qwen35_moe_hf
+    import _qwen35_moe_hf as qwen35_moe_hf
     from cudabuild.models import qwen35_moe_plain as plain
-    from cudabuild.models import qwen35_moe_quantize as quant
+    from cudabuild.models import qwen35_moe_weights as weights
     from executorch.examples.models.qwen3_5_moe.export import _materialize_buffers, _quantize_experts_int4
     from executorch.examples.models.qwen3_5_moe.inference import _move_to_cuda
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoE
@@ -149,7 +151,7 @@ def test_the_cpu_form_computes_the_cuda_forms_logits_from_one_checkpoint(tmp_pat
     custom_ops.register("cuda")
     folder = qwen35_moe_hf.save(tmp_path / "ckpt", qwen35_moe_hf.config_json(dtype="bfloat16"))
     theirs, config = Qwen35MoE.from_hf_checkpoint(str(folder), max_seq_len=64)
-    theirs = quant._frozen(theirs.to(dtype=torch.bfloat16))
+    theirs = weights._frozen(theirs.to(dtype=torch.bfloat16))
     _quantize_experts_int4(theirs, config, 32)
     _materialize_buffers(theirs, config)
     ours = copy.deepcopy(theirs)

@@ -2,7 +2,7 @@
 with the build's weights in it, put there by FQN, without torch.export.
 
 The trace stage is keyed on the code and the weights' layout, not their values, so another seed
-(a recipe's `weights_options`) or other quantized weights of the same layout find it cached. This
+(an option the recipe's table marks `values_only`) or other quantized weights of the same layout find it cached. This
 stage is keyed on the weights too, and gives the program for them, in one of three ways:
 
 - *as traced*: the trace was made from this very model (its value's `weights` is this build's
@@ -57,7 +57,7 @@ def run(ctx) -> StageResult:
     spec = next(m for m in recipe.methods if m.name == method)
     try:
         if spec.prepare is not None:
-            spec.prepare(model, dict(ctx.config.options))
+            spec.prepare(model, ctx.config.options)
     except Exception as e:
         raise ExportFailed(f"method {method} of {ctx.config.model} failed to prepare: {one_line(e)}") from e
     with phase("check"):

@@ -18,7 +18,7 @@ from cudabuild.engine.context import StageResult
 from cudabuild.engine.console.trace import phase
 from cudabuild.errors import CudabuildError, ExportFailed, one_line
 from cudabuild.engine.hashing import digest, sha256_file
-from cudabuild.models.safetensors_parts import tensor_layouts, tensor_regions
+from cudabuild.formats.safetensors_parts import tensor_layouts, tensor_regions
 
 
 def run(ctx) -> StageResult:
@@ -31,7 +31,7 @@ def run(ctx) -> StageResult:
     device_peak.start(device)
     try:
         with phase("quantize"):
-            written = recipe.quantize.run(dict(config.options), ctx.workdir / "weights", device)
+            written = recipe.quantize.run(config.options, ctx.workdir / "weights", device)
     except CudabuildError:
         raise
     except Exception as e:

@@ -88,7 +88,7 @@ def _truth(ctx, device: str, steps: list, result: dict) -> dict | None:
     eager = {"tokens": [int(token.reshape(-1)[0]) for token, _ in result["steps"]],
              "logits": [logits for _, logits in result["steps"]], "states": result["states"]}
     with phase("truth"), scoped_environ(kernel_cache.environment(ctx.cache_root)):
-        return recipe.quantize.truth(dict(config.options), quantized_folder(ctx), method.prepare or (lambda m, o: None),
+        return recipe.quantize.truth(config.options, quantized_folder(ctx), method.prepare or (lambda m, o: None),
                                      steps, device, eager)
 
 

@@ -2,7 +2,7 @@
 of its layout.
 
 The stage is keyed on the code and the weights' layout, not their values (cudabuild.pipeline: the
-options but the recipe's `weights_options`, the quantize stage's `layout` facet instead of its
+options but those the recipe's table marks `values_only`, the quantize stage's `layout` facet instead of its
 digest): tracing the same code again gives the same graph, whatever the weights hold. It stores
 what torch.export gave (programs.save_program: graph, signature, weights, constants, example
 inputs) and what the recipe's functions give for the model (the method's verify steps, the
@@ -49,7 +49,7 @@ def traced(ctx, recipe, model, reuse) -> StageResult:
     method = next(m for m in recipe.methods if m.name == ctx.stage.method)
     try:
         if method.prepare is not None:
-            method.prepare(model, dict(ctx.config.options))
+            method.prepare(model, ctx.config.options)
         inputs = tuple(method.inputs(model))
         shapes = method.dynamic_shapes(model) if method.dynamic_shapes else None
         # A model whose own exporter traces it strictly (TorchDynamo), under no_grad, is exported so.

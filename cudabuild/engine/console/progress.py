@@ -40,20 +40,12 @@ def _tick_seconds(default: float = 15.0) -> float:
 
 TICK_SECONDS = _tick_seconds()
 
-# task name -> seconds its stage took last time, or None; set by cudabuild.doit_tasks.
-_expected: Callable[[str], Optional[float]] = lambda name: None
-# task name -> (status, seconds) of what its stage did in this build (its stamp), or None; set likewise.
-_outcome: Callable[[str], Optional[tuple[str, float]]] = lambda name: None
+# task name -> (status, seconds) of what its stage did in this build (its stamp), or None.
+Outcomes = Callable[[str], Optional[tuple[str, float]]]
 
 
-def set_expectations(lookup: Callable[[str], Optional[float]]) -> None:
-    global _expected
-    _expected = lookup
-
-
-def set_outcomes(lookup: Callable[[str], Optional[tuple[str, float]]]) -> None:
-    global _outcome
-    _outcome = lookup
+def _nothing_known(name: str) -> None:
+    return None
 
 
 def done_words(elapsed: float, outcome: Optional[tuple[str, float]]) -> str:
@@ -87,8 +79,8 @@ def live_terminal(stream=None, environ=os.environ) -> bool:
 class PlainProgress:
     """A line when a stage starts, a line every TICK_SECONDS while it runs, a line when it ends."""
 
-    def __init__(self, stream, tick: float = TICK_SECONDS):
-        self.stream, self.tick = stream, tick
+    def __init__(self, stream, tick: float = TICK_SECONDS, outcome: Outcomes = _nothing_known):
+        self.stream, self.tick, self.outcome = stream, tick, outcome
         self._running: dict[str, tuple[float, threading.Event]] = {}
 
     def start(self, name: str, expected: Optional[float]) -> None:
@@ -109,7 +101,7 @@ class PlainProgress:
             return
         stop.set()
         if ok:
-            self.stream.write(f"  {_stage_id(name)} {done_words(time.monotonic() - started, _outcome(name))}\n")
+            self.stream.write(f"  {_stage_id(name)} {done_words(time.monotonic() - started, self.outcome(name))}\n")
 
     def close(self) -> None:
         for name in list(self._running):
@@ -121,7 +113,7 @@ class PlainProgress:
 class LiveProgress:
     """rich's live display: a spinner line per running stage, a line per finished one."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, outcome: Outcomes = _nothing_known):
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -130,6 +122,7 @@ class LiveProgress:
             TextColumn("[dim]{task.fields[last]}"), console=Console(file=stream), transient=True,
         )
         self._tasks: dict[str, tuple[int, float]] = {}
+        self.outcome = outcome
 
     def start(self, name: str, expected: Optional[float]) -> None:
         if not self._tasks:
@@ -143,7 +136,7 @@ class LiveProgress:
             return
         self._progress.remove_task(task)
         elapsed = time.monotonic() - started
-        words = f"[green]{done_words(elapsed, _outcome(name))}[/green]" if ok else f"[red]failed[/red] in {elapsed:.1f}s"
+        words = f"[green]{done_words(elapsed, self.outcome(name))}[/green]" if ok else f"[red]failed[/red] in {elapsed:.1f}s"
         self._progress.console.print(f"  {_label(name):<20} {words}")
         if not self._tasks:
             self._progress.stop()
@@ -162,13 +155,25 @@ class LiveProgress:
 
 
 class CudabuildReporter(ConsoleReporter):
+    """doit's reporter for a build. doit makes it itself, from the class DOIT_CONFIG names, handing it
+    only (outstream, options): what it knows of a build's stages comes with the class (`bound`)."""
+
     desc = "cudabuild progress and summary"
+    # task name -> seconds its stage took last time, or None; and what its stage did in this build.
+    expected: Callable[[str], Optional[float]] = staticmethod(_nothing_known)
+    outcome: Outcomes = staticmethod(_nothing_known)
+
+    @classmethod
+    def bound(cls, expected: Callable[[str], Optional[float]], outcome: Outcomes) -> type:
+        """This reporter, knowing a run's stages: how long each took last time, what each did now."""
+        return type(cls.__name__, (cls,), {"expected": staticmethod(expected), "outcome": staticmethod(outcome)})
 
     def __init__(self, outstream, options):
         super().__init__(outstream, options)
         if outstream in (sys.stdout, sys.__stdout__):  # doit's default: the terminal, also during stage logs
             self.outstream = terminal.out()
-        self.progress = LiveProgress(self.outstream) if live_terminal(self.outstream) else PlainProgress(self.outstream)
+        self.progress = LiveProgress(self.outstream, self.outcome) if live_terminal(self.outstream) else \
+            PlainProgress(self.outstream, outcome=self.outcome)
         interrupt.before_exit(self.progress.stop)
 
     def write(self, text):
@@ -178,7 +183,7 @@ class CudabuildReporter(ConsoleReporter):
     def execute_task(self, task):
         if task.name.rpartition(":")[2] == "manifest" or not task.actions:
             return
-        self.progress.start(task.name, _expected(task.name))
+        self.progress.start(task.name, self.expected(task.name))
 
     def add_success(self, task):
         self.progress.finish(task.name, ok=True)

@@ -1,11 +1,12 @@
-"""Hugging Face checkpoints' files: config.json plus *.safetensors, one file or shards with an index.
+"""Hugging Face checkpoints' files, for tests and benchmarks: config.json plus *.safetensors, one
+file or shards with an index.
 
 Owns a writer of the format (an 8-byte little-endian header length, a JSON header {name: {dtype,
 shape, data_offsets}} with an optional `__metadata__`, then the raw bytes) and of a checkpoint
-directory, for tests and benchmarks, and the reading of one file through the `safetensors` library
-with a header check that names what is wrong with a file the library refuses. Reading a checkpoint
-into a model is ExecuTorch's loader's (cudabuild/models/qwen35_moe_quantize.py `weight_parts`);
-this module knows no model. Must not touch: export, compile, or anything on the device.
+directory, and the reading of one file through the `safetensors` library with a header check that
+names what is wrong with a file the library refuses. Must not touch: a model, a build. Nothing in
+the package uses it: a build reads a checkpoint through ExecuTorch's loader (cudabuild/models/
+qwen35_moe_weights.py `weight_parts`) and its headers through cudabuild/formats/safetensors_parts.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from cudabuild.errors import CudabuildError
 from cudabuild.engine.files import atomic_write
-from cudabuild.models.safetensors_parts import HeaderError, checked_header, read_raw_header
+from cudabuild.formats.safetensors_parts import HeaderError, checked_header, read_raw_header
 
 PathLike = Union[str, os.PathLike]
 

@@ -1,5 +1,9 @@
-"""A .safetensors file's header and tensors, without torch: the header checked, and one digest per
-tensor as key inputs.
+"""A .safetensors file's header and tensors, read without torch: the header checked, one digest per
+tensor as key inputs, and where each tensor's bytes lie.
+
+Owns reading the format's header and the byte ranges it names. Must not touch: torch, a model, a
+build's decisions (its callers, cudabuild.pipeline, registry and the quantize stage, say what a
+digest keys), or writing the format (cudabuild/formats/safetensors_stream.py).
 
 How a checkpoint shard enters export's key (cudabuild.pipeline): {tensor name: sha256 of its
 dtype, shape and bytes}, so a changed shard is explained by the tensors that changed, and a shard
@@ -15,9 +19,11 @@ alone (what a stage keyed on the weights' layout, not their values, keys on).
 shape's bytes, a file too short for them): what a build checks up front, before any stage, for
 every file of a checkpoint, without reading tensor data. `header_digest` keys such a check.
 
-The header is parsed here rather than by the `safetensors` package: the package reads tensors, but
-does not say where a tensor's bytes lie in the file, which is what hashing them in one pass needs.
-The format: an 8-byte little-endian header length, then a JSON header
+Why by hand rather than with the `safetensors` package: the package reads tensors into a framework
+(torch, numpy) and does not say where a tensor's bytes lie in the file, which is what hashing them
+in one pass and indexing them as spans of the store (`tensor_regions`) need; and this runs in a
+build's first second, which imports no torch. The package reads the tensors themselves (ExecuTorch's
+loaders, tests). The format: an 8-byte little-endian header length, then a JSON header
 {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the bytes.
 """
 
@@ -28,7 +34,8 @@ import json
 import os
 import struct
 
-CHUNK = 1 << 20
+from cudabuild.engine.hashing import CHUNK, sha256_file
+
 METADATA = "__metadata__"
 # Bytes per element of each dtype the format names.
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
@@ -123,7 +130,7 @@ def tensor_layouts(path: str | os.PathLike) -> dict[str, list]:
         entries, _, _ = read_raw_header(path)
         out = {name: [e["dtype"], e["shape"]] for name, e in entries.items() if name != METADATA}
     except (HeaderError, KeyError, TypeError):
-        return {"<unreadable>": _whole_file(path)}
+        return {"<unreadable>": sha256_file(path)}
     if METADATA in entries:
         out[METADATA] = entries[METADATA]
     return out
@@ -138,7 +145,7 @@ def tensor_digests(path: str | os.PathLike) -> dict[str, str]:
         entries, start, size = read_raw_header(path)
         spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name, e) for name, e in entries.items() if name != METADATA)
     except (HeaderError, KeyError, TypeError, IndexError):
-        return {"<unreadable>": _whole_file(path)}
+        return {"<unreadable>": sha256_file(path)}
     out = {}
     if METADATA in entries:
         out[METADATA] = hashlib.sha256(json.dumps(entries[METADATA], sort_keys=True).encode()).hexdigest()
@@ -156,10 +163,3 @@ def tensor_digests(path: str | os.PathLike) -> dict[str, str]:
             out[name] = h.hexdigest()
     return out
 
-
-def _whole_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()

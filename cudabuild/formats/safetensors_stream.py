@@ -1,5 +1,8 @@
 """Writing one .safetensors file tensor by tensor, as the tensors are made, never holding them all.
 
+Owns writing the format. Must not touch: what the tensors are (the quantizer hands them over,
+cudabuild/models/qwen35_moe_quantize.py), reading (the package; headers: safetensors_parts.py).
+
 The `safetensors` package writes a file from a whole dict of tensors (and its Python `save_file`
 copies every tensor into a bytes object first): a 35B model's int4 bundle would sit in host memory
 twice. Here the file is written in the order the tensors arrive. The header, which comes first in

@@ -1,11 +1,11 @@
 """Hugging Face checkpoints of Qwen3.5-MoE, written: a config.json for a named size, and random tensors
-under Hugging Face's names and shapes, for tests and benchmarks.
+under Hugging Face's names and shapes, for tests and benchmarks (no build writes one).
 
 Owns the writing side only. What a checkpoint must hold is the table's (cudabuild/models/
 qwen_moe_checkpoint.py: the tensors are exactly those its `expected_tensors` implies, so a written
 checkpoint passes the check it is meant to pass, and an edit makes the problem a test asks for);
 reading is ExecuTorch's own lazy subset reader, for both forms of the model
-(cudabuild/models/qwen35_moe_quantize.py `weight_parts`). The tensors are random, scaled so that
+(cudabuild/models/qwen35_moe_weights.py `weight_parts`). The tensors are random, scaled so that
 activations stay O(1) (fan-in for matrices; decay rates in (0.05, 1)) and verify compares
 meaningful numbers. Must not touch: a model's classes, or a build.
 """
@@ -19,20 +19,21 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from cudabuild.models import checkpoint, qwen35_moe_quantize
+import _checkpoint as checkpoint
+from cudabuild.models import qwen35_moe_sizes, qwen35_moe_weights
 from cudabuild.models import qwen_moe_checkpoint as fields
 
 PREFIX = "model.language_model."  # Qwen3.5's multimodal checkpoints keep the text tower here
 
 
 def config_json(size: str = "tiny", dtype: str = "float32", **changes: Any) -> dict:
-    """The config.json of a named size (cudabuild/models/qwen35_moe_quantize.py SIZES), its
+    """The config.json of a named size (cudabuild/models/qwen35_moe_sizes.py SIZES), its
     weights of `dtype`; each of `changes` sets a field (None: leaves it out)."""
     from executorch.examples.models.qwen3_5_moe.model import Qwen35MoEConfig
 
-    config = Qwen35MoEConfig(**qwen35_moe_quantize.SIZES[size])
+    config = Qwen35MoEConfig(**qwen35_moe_sizes.SIZES[size])
     out = {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
-           **qwen35_moe_quantize.hf_config(config), "dtype": dtype, "hidden_act": "silu", "attention_bias": False,
+           **qwen35_moe_weights.hf_config(config), "dtype": dtype, "hidden_act": "silu", "attention_bias": False,
            "max_position_embeddings": config.max_seq_len, "tie_word_embeddings": False}
     for name, value in changes.items():
         if value is None:
