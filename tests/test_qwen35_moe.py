@@ -139,7 +139,7 @@ def test_the_reference_streams_the_quantized_weights_to_another_device(model, de
 
     names = sampled_logits.program_buffers(decode)
     streamed = StreamedProgram(decode, "meta", resident=names if named else ())
-    for step in q.decode_steps(model)[:2]:
+    for step in cuda.decode_steps(model)[:2]:
         out, _ = streamed.run(tuple(step))
         assert out[0].device.type == "meta" if isinstance(out, (list, tuple)) else out.device.type == "meta"
     held = dict(streamed.gm.named_buffers())
