@@ -187,7 +187,8 @@ class ActionCache:
         """A record just stored, published to the shared tier (when there is one that takes writes,
         or `required`), and said where it happens when the tier did not take it: where it had to (a
         cluster's worker, whose driver restores it from there), CudabuildError; else a warning (this
-        cache keeps it; other machines build it themselves)."""
+        cache keeps it; other machines build it themselves), unless the tier was given up, which
+        its own one line said."""
         if self.remote is None or not (self.remote.writable or required):
             return
         with trace.phase("upload"):
@@ -195,6 +196,8 @@ class ActionCache:
         if why is None:
             return
         where = self.remote.where
+        if not required and self.remote.gave_up:
+            return  # the tier's own line said it once ("unreachable ... continuing with the local cache only")
         if required:
             raise CudabuildError(f"stage {stage}: its result {key[:12]} was not written to the shared tier {where} "
                                  f"({why}), so the driver cannot restore it; fix the tier (its warning says what "

@@ -108,6 +108,10 @@ class Degrading:
         self._unsaid: dict[str, str] = {}  # kind of fault -> its line, said once the outcome is known
         self.faults: dict[str, int] = {}  # kind of fault -> calls that failed with it (stats, tests)
 
+    @property
+    def gave_up(self) -> bool:
+        return self._down
+
     def warn_once(self, topic: str, message: str) -> None:
         with self._state:
             if topic in self._warned:
@@ -323,6 +327,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def writable(self) -> bool:
         """Whether this builder may write now: not read-only, and the server has not refused a write."""
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether this process has given the server up (Degrading: down), which its own warning
+        said once: what fails after it needs no line of its own."""
+        return False
 
     @abc.abstractmethod
     def warn_once(self, topic: str, message: str) -> None: ...

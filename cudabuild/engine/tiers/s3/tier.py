@@ -49,6 +49,10 @@ class S3Tier(Tier):
     def writable(self) -> bool:
         return not self.read_only and self.records.writable
 
+    @property
+    def gave_up(self) -> bool:
+        return self.records.down or self.blobs.bucket.down
+
     def warn_once(self, topic: str, message: str) -> None:
         self.records.warn_once(topic, message)
 
