@@ -96,12 +96,59 @@ class Project:
 
 
 def new_project(where: Path) -> Project:
+    """A fresh project (this checkout's code and recipes) and an empty cache, but for what this
+    machine already learned (see _MACHINE_FOLDERS)."""
     root = where / "project"
     root.mkdir(parents=True)
     shutil.copy(REPO / "dodo.py", root / "dodo.py")
     shutil.copytree(REPO / "cudabuild", root / "cudabuild", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "recipes", root / "recipes", ignore=shutil.ignore_patterns("__pycache__", "*.autotune.json"))
-    return Project(root, where / "cache")
+    project = Project(root, where / "cache")
+    if _MACHINE["seed"]:
+        _seed_machine(project.cache)
+    return project
+
+
+# What a developer's machine learns once and keeps in its cache, whatever it builds next: the CPU
+# ISA probes' answers (cudabuild.backend.vec_isa) and the C++ objects AOTInductor compiled, keyed by
+# their source and command line (cudabuild.backend.cpp_objects; a hit is the bytes a compile makes).
+# A test's fresh cache starts with those of the run's shared tiny build once it is done, as a cache
+# on this machine would: its stages still run, but the C++ compiles of sources seen before (15 of a
+# tiny_lm compile's 30 s on 2 cores) and the probes do not. Tests of those two caches themselves
+# are marked `fresh_machine` and start with nothing.
+_MACHINE_FOLDERS = ("vec_isa", "objects")
+_MACHINE: dict = {"seed": True, "from": None}
+
+
+def _seed_machine(cache: Path) -> None:
+    source = _MACHINE["from"]
+    if source is None and "built_tiny" in _SESSION:
+        source = _SESSION["built_tiny"].cache
+    elif source is None and _MACHINE.get("run_dir") is not None:
+        done = _MACHINE["run_dir"] / "shared-built_tiny.done"
+        if done.exists():
+            source = _MACHINE["run_dir"] / "shared-built_tiny" / json.loads(done.read_text())["cache"]
+            _MACHINE["from"] = source
+    if source is None:
+        return
+    for name in _MACHINE_FOLDERS:
+        if (source / name).is_dir() and not (cache / name).exists():
+            shutil.copytree(source / name, cache / name, symlinks=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _machine_run_dir(tmp_path_factory):
+    """Where the run's shared builds lie (shared_build), for _seed_machine."""
+    base = tmp_path_factory.getbasetemp()
+    _MACHINE["run_dir"] = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
+@pytest.fixture(autouse=True)
+def _machine_memory(request):
+    """A test marked `fresh_machine` gets caches that know nothing of this machine."""
+    _MACHINE["seed"] = request.node.get_closest_marker("fresh_machine") is None
+    yield
+    _MACHINE["seed"] = True
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

@@ -91,7 +91,7 @@ def test_a_damaged_or_mismatched_constant_table_refuses_the_shortcut_and_compile
     result = tiny_copy.export(*BUILD, "seed=1")
     assert_ok(result)
     said = [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("blob.") and ": " in line]
-    assert said == [
+    assert sorted(said) == [  # the two methods' blob stages run side by side, in either order
         "blob.decode: constant embed.weight has stride [64, 1] in the program, [1, 64] in the .so; "
         "compiling for these weights",
         "blob.prefill: compile.prefill: its constant table is not JSON (Expecting value: line 1 column 30 (char 29)); "

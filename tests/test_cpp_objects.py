@@ -13,6 +13,8 @@ from test_remote import server  # noqa: F401  (a real redis-server on loopback)
 
 from cudabuild.backend import cpp_objects
 
+pytestmark = pytest.mark.fresh_machine  # its caches start with no probe answers or C++ objects (conftest)
+
 SOURCE = """// Triton kernels are embedded as comments in {here}/abc.wrapper.cpp
 extern "C" int cudabuild_answer(int x) {{ return 6 * x + {value}; }}
 """

@@ -22,6 +22,8 @@ from torch._inductor import cpu_vec_isa  # noqa: E402
 
 from cudabuild.backend import vec_isa  # noqa: E402
 
+pytestmark = pytest.mark.fresh_machine  # its caches start with no probe answers or C++ objects (conftest)
+
 x86_only = pytest.mark.skipif(vec_isa.machine_key() is None, reason="torch probes ISAs by building only on x86-64")
 
 

@@ -160,12 +160,17 @@ def admission(workers: int, estimate: Optional[int], alone_because: Optional[str
 HOST_MEMORY_ENV = "CUDABUILD_HOST_MEMORY"
 
 
-def host_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
-    """$CUDABUILD_HOST_MEMORY in bytes, or None when unset."""
+def _size_setting(name: str, environ: Optional[dict]) -> Optional[int]:
+    """The size variable `name` (`64GiB`) in bytes, or None when unset."""
     from cudabuild.engine.cache_admin import parse_size
 
-    text = (os.environ if environ is None else environ).get(HOST_MEMORY_ENV, "").strip()
-    return parse_size(text, HOST_MEMORY_ENV) if text else None
+    text = (os.environ if environ is None else environ).get(name, "").strip()
+    return parse_size(text, name) if text else None
+
+
+def host_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
+    """$CUDABUILD_HOST_MEMORY in bytes, or None when unset."""
+    return _size_setting(HOST_MEMORY_ENV, environ)
 
 
 def memory_budget(environ: Optional[dict] = None) -> Optional[int]:
@@ -206,10 +211,7 @@ DEVICE_MEMORY_ENV = "CUDABUILD_DEVICE_MEMORY"
 
 def device_memory_cap(environ: Optional[dict] = None) -> Optional[int]:
     """$CUDABUILD_DEVICE_MEMORY in bytes, or None when unset."""
-    from cudabuild.engine.cache_admin import parse_size
-
-    text = (os.environ if environ is None else environ).get(DEVICE_MEMORY_ENV, "").strip()
-    return parse_size(text, DEVICE_MEMORY_ENV) if text else None
+    return _size_setting(DEVICE_MEMORY_ENV, environ)
 
 
 def device_capacity(device: str, environ: Optional[dict] = None) -> Optional[int]:
