@@ -112,35 +112,21 @@ def new_project(where: Path) -> Project:
 # What a developer's machine learns once and keeps in its cache, whatever it builds next: the CPU
 # ISA probes' answers (cudabuild.backend.vec_isa) and the C++ objects AOTInductor compiled, keyed by
 # their source and command line (cudabuild.backend.cpp_objects; a hit is the bytes a compile makes).
-# A test's fresh cache starts with those of the run's shared tiny build once it is done, as a cache
-# on this machine would: its stages still run, but the C++ compiles of sources seen before (15 of a
-# tiny_lm compile's 30 s on 2 cores) and the probes do not. Tests of those two caches themselves
-# are marked `fresh_machine` and start with nothing.
+# A test's fresh cache starts with those of this process's copy of the run's shared tiny build,
+# once it has one, as a cache on this machine would: its stages still run, but the C++ compiles of
+# sources seen before (15 of a tiny_lm compile's 30 s on 2 cores) and the probes do not. Tests of
+# those two caches themselves are marked `fresh_machine` and start with nothing.
 _MACHINE_FOLDERS = ("vec_isa", "objects")
-_MACHINE: dict = {"seed": True, "from": None}
+_MACHINE = {"seed": True}
 
 
 def _seed_machine(cache: Path) -> None:
-    source = _MACHINE["from"]
-    if source is None and "built_tiny" in _SESSION:
-        source = _SESSION["built_tiny"].cache
-    elif source is None and _MACHINE.get("run_dir") is not None:
-        done = _MACHINE["run_dir"] / "shared-built_tiny.done"
-        if done.exists():
-            source = _MACHINE["run_dir"] / "shared-built_tiny" / json.loads(done.read_text())["cache"]
-            _MACHINE["from"] = source
-    if source is None:
+    if "built_tiny" not in _SESSION:
         return
+    source = _SESSION["built_tiny"].cache
     for name in _MACHINE_FOLDERS:
         if (source / name).is_dir() and not (cache / name).exists():
             shutil.copytree(source / name, cache / name, symlinks=True)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _machine_run_dir(tmp_path_factory):
-    """Where the run's shared builds lie (shared_build), for _seed_machine."""
-    base = tmp_path_factory.getbasetemp()
-    _MACHINE["run_dir"] = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
 @pytest.fixture(autouse=True)

@@ -170,7 +170,7 @@ def test_a_result_the_shared_tier_did_not_take_is_said_where_it_is_stored(s3_env
                 # there and then, and the stage adds none (one fault, one line: see test_remote's
                 # Redis stopped mid-build).
                 said = [line for line in capfd.readouterr().err.splitlines() if "export.decode" in line]
-                assert store.remote.gave_up and said == []
+                assert store.remote.down and said == []
                 assert len(tier_said) == 1 and "continuing with the local cache only" in tier_said[0], tier_said
             else:
                 # What a cluster's worker stores (cudabuild.engine.far_end.run, its write-back required).

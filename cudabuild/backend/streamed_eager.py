@@ -67,7 +67,8 @@ class StreamedProgram:
         # how the CPU tests watch the streaming (what is copied, and how much of it is alive at once).
         held = dict(self.gm.named_parameters(remove_duplicate=False))
         held.update(self.gm.named_buffers(remove_duplicate=False))
-        self.streamed = {id(t): t for fqn, t in held.items() if fqn not in set(self.resident)}
+        resident = set(self.resident)
+        self.streamed = {id(t): t for fqn, t in held.items() if fqn not in resident}
         self.copies = self.device.type != "cpu" or copy_on_cpu
         self.copied_bytes = 0  # host-to-device bytes of streamed tensors, over every call
         self.largest_op_bytes = 0  # the most one op had copied for it
@@ -100,18 +101,25 @@ def written_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     aliases its result to its first argument): a placeholder or a get_attr for a program's state."""
     roots = set()
     for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            for arg in value if isinstance(value, (list, tuple)) else [value]:
-                root = _viewed(arg)
-                if root is not None:
-                    roots.add(root)
+        for _, arg in _written_arguments(node, node.args, node.kwargs):
+            root = _viewed(arg)
+            if root is not None:
+                roots.add(root)
     return roots
+
+
+def _written_arguments(node: torch.fx.Node, args: tuple, kwargs: dict):
+    """(name, value) of each argument `node`'s op writes (its schema's `Tensor(a!)`), a list's
+    elements one by one, as they stand in `args` and `kwargs` (the node's own, or their values)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        for element in value if isinstance(value, (list, tuple)) else [value]:
+            yield argument.name, element
 
 
 def _viewed(node):
@@ -170,16 +178,9 @@ class _Streaming(torch.fx.Interpreter):
 
     @staticmethod
     def _refuse_streamed_writes(n: torch.fx.Node, args: tuple, kwargs: dict, copies: dict[int, int]) -> None:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is None:
-            return
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(t, torch.Tensor) and id(t) in copies:
-                    raise StreamedWriteError(
-                        f"{n.target} writes its argument {argument.name!r}",
-                        "it is not among the program's state buffers, so the write would be lost",
-                        fix="name the buffer in sampled_logits.program_buffers' answer")
+        for name, value in _written_arguments(n, args, kwargs):
+            if isinstance(value, torch.Tensor) and id(value) in copies:
+                raise StreamedWriteError(
+                    f"{n.target} writes its argument {name!r}",
+                    "it is not among the program's state buffers, so the write would be lost",
+                    fix="the op writes it without its schema saying so (Tensor(a!)), which is how the state is found")

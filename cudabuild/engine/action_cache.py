@@ -196,7 +196,7 @@ class ActionCache:
         if why is None:
             return
         where = self.remote.where
-        if not required and self.remote.gave_up:
+        if not required and self.remote.down:
             return  # the tier's own line said it once ("unreachable ... continuing with the local cache only")
         if required:
             raise CudabuildError(f"stage {stage}: its result {key[:12]} was not written to the shared tier {where} "

@@ -109,7 +109,8 @@ class Degrading:
         self.faults: dict[str, int] = {}  # kind of fault -> calls that failed with it (stats, tests)
 
     @property
-    def gave_up(self) -> bool:
+    def down(self) -> bool:
+        """Whether this process has given the server up (its one warning said so)."""
         return self._down
 
     def warn_once(self, topic: str, message: str) -> None:
@@ -329,8 +330,8 @@ class Tier(abc.ABC):
         """Whether this builder may write now: not read-only, and the server has not refused a write."""
 
     @property
-    def gave_up(self) -> bool:
-        """Whether this process has given the server up (Degrading: down), which its own warning
+    def down(self) -> bool:
+        """Whether this process has given the server up (Degrading.down), which its own warning
         said once: what fails after it needs no line of its own."""
         return False
 

@@ -129,10 +129,6 @@ class Bucket(Degrading):
     def writable(self) -> bool:
         return not (self.read_only or self._down or self._writes_off)
 
-    @property
-    def down(self) -> bool:
-        return self._down
-
     def key(self, *names: str) -> str:
         return "/".join((self.prefix, *names) if self.prefix else names)
 

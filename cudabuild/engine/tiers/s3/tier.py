@@ -50,7 +50,7 @@ class S3Tier(Tier):
         return not self.read_only and self.records.writable
 
     @property
-    def gave_up(self) -> bool:
+    def down(self) -> bool:
         return self.records.down or self.blobs.bucket.down
 
     def warn_once(self, topic: str, message: str) -> None:
