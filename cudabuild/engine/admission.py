@@ -55,6 +55,12 @@ class BuildView:
         return self.stamps.read(stage)
 
 
+def device_of(build, stage: Stage) -> Optional[str]:
+    """The device the stage runs on (its pipeline row's answer for this build), or None."""
+    row = build.pipeline.row(stage)
+    return row.device(build.config, stage.method) if row.device else None
+
+
 @contextlib.contextmanager
 def admitted(build, stage: Stage, inputs: dict) -> Iterator[None]:
     """Reserve the stage's memory from this machine's budget, and with a device its device
@@ -63,7 +69,7 @@ def admitted(build, stage: Stage, inputs: dict) -> Iterator[None]:
     reserved first, so no two stages can wait on each other. One stage at a time reserves none."""
     config = build.config
     row = build.pipeline.row(stage)
-    device = row.device(config, stage.method) if row.device else None
+    device = device_of(build, stage)
     if device:
         refuse_if_too_big(build, stage, device)
     if build.workers <= 1:
@@ -103,8 +109,7 @@ def device_need(build, stage: Stage) -> Optional[tuple[int, str]]:
     says (a stage on no device, or of unknown size)."""
     config = build.config
     row = build.pipeline.row(stage)
-    device = row.device(config, stage.method) if row.device else None
-    if not device:
+    if not device_of(build, stage):
         return None
     measured = last_device_peak(build, stage)
     if measured:
@@ -125,10 +130,8 @@ def device_preflight(build, capacity: Optional[int] = None) -> None:
     """Before a build's first stage: DeviceTooSmall for the first of its device stages that cannot
     fit the device alone (`capacity`, by default workers.device_capacity), by `device_need`. A
     stage whose size nothing says is left to its own admission."""
-    config = build.config
-    for stage in build.pipeline.plan(config):
-        row = build.pipeline.row(stage)
-        device = row.device(config, stage.method) if row.device else None
+    for stage in build.pipeline.plan(build.config):
+        device = device_of(build, stage)
         if device:
             refuse_if_too_big(build, stage, device, capacity)
 
@@ -159,9 +162,7 @@ def memory_estimate(build, stage: Stage, inputs: dict) -> Optional[int]:
 
 def resources(build, stage: Stage, inputs: dict) -> dict[str, float]:
     """What the stage asks of a cluster's worker: one of its row's device, and its memory estimate."""
-    row = build.pipeline.row(stage)
-    device = row.device(build.config, stage.method) if row.device else None
-    return cluster.resources_for(device, memory_estimate(build, stage, inputs))
+    return cluster.resources_for(device_of(build, stage), memory_estimate(build, stage, inputs))
 
 
 def weights_bytes(build, stage: Stage) -> int:
