@@ -67,7 +67,7 @@ def run_stage(payload: dict) -> dict:
             return {"status": "lost", "producer": [e.kind, e.method], "error": str(e), "worker": where,
                     "events": recorder.take_own() if recorder is not None else []}
         except CudabuildError as e:
-            return {"status": "failed", "error": one_line(e) + failure_lines(job.log if job is not None else None),
+            return {"status": "failed", "error": one_line(e) + failure_lines(job.log if job is not None else None, error=e),
                     "worker": where, "events": recorder.take_own() if recorder is not None else []}
         # This worker's cache under its size limit ($CUDABUILD_CACHE_MAX_SIZE): its build is this stage.
         cache_admin.enforce_limit(job.build.store, job.build.config.project)

@@ -449,7 +449,7 @@ def _stage_action(runner: Runner, stage):
         except CudabuildError as e:  # one line, then where the stage's own output went
             # No manifest follows a failure: the timeline up to it is written now.
             runner.recorder.merge(trace.process_start_us(), trace.now_us(), failed=stage.id)
-            return TaskFailed(one_line(e) + failure_lines(runner.logs.get(stage.id)))
+            return TaskFailed(one_line(e) + failure_lines(runner.logs.get(stage.id), error=e))
         return True
 
     return action

@@ -182,3 +182,24 @@ def test_a_finished_stage_names_its_running_time_beside_its_wait():
     assert lines[1].startswith("  export.decode done in ") and lines[1].endswith("importing and waiting)")
     assert lines[3].startswith("  compile.decode restored in ")
     assert lines[5].startswith("  probe done in ") and lines[5].endswith("s")  # nothing known of it: one figure
+
+
+def test_a_full_disk_shows_its_log_but_not_the_librarys_traceback_of_it(tmp_path):
+    """A stage that met a full disk says it in one line (cudabuild.engine.room); the traceback a
+    library printed of the same OSError (inductor's, when the compile met it first) is not shown
+    after it. Any other failure shows the log's last lines."""
+    import errno
+
+    from cudabuild.engine import room
+    from cudabuild.engine.console.progress import failure_lines
+    from cudabuild.errors import CompileFailed
+
+    log = tmp_path / "compile.prefill.log"
+    log.write_text("Traceback (most recent call last):\n  File \"shutil.py\", line 144, in _fastcopy_sendfile\n"
+                   "torch._inductor.exc.InductorError: OSError: [Errno 28] No space left on device\n")
+    cache = tmp_path / "cache"
+    full = room.full_disk_error("compile.prefill", OSError(errno.ENOSPC, "No space left on device", str(cache)), cache)
+    said = failure_lines(log, tmp_path, error=full)
+    assert said == "\n  log: compile.prefill.log"
+    other = failure_lines(log, tmp_path, error=CompileFailed("method prefill: AOTInductor failed"))
+    assert "InductorError: OSError: [Errno 28]" in other and other.startswith("\n  log: compile.prefill.log\n  | ")

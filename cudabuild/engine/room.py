@@ -119,7 +119,7 @@ def full_disk_error(stage: str, error: OSError, cache: Path, build: Optional[Pat
                     f"its disk is full ({error.strerror or 'No space left on device'})", fix=fix)
 
 
-def _said(error: BaseException) -> Optional[CudabuildError]:
+def said(error: BaseException) -> Optional[CudabuildError]:
     """A full disk already said in the project's words in `error`'s chain (its cause or context)."""
     seen = set()
     while error is not None and id(error) not in seen:
@@ -139,11 +139,11 @@ def named(stage: str, cache: Path, build: Optional[Path] = None) -> Iterator[Non
     try:
         yield
     except Exception as e:
-        said = _said(e)
-        if said is not None:
-            if said is e:
+        first = said(e)
+        if first is not None:
+            if first is e:
                 raise
-            raise type(said)(str(said)) from e
+            raise type(first)(str(first)) from e
         full = disk_full(e, cache)
         if full is None:
             raise

@@ -210,15 +210,20 @@ class CudabuildReporter(ConsoleReporter):
                 self.write(f"cudabuild: error: {msg.strip().splitlines()[-1]}\n")
 
 
-def failure_lines(log: Optional[Path], cwd: Optional[Path] = None) -> str:
-    """What follows a failed stage's error line: its log's path and the log's last lines that matter."""
+def failure_lines(log: Optional[Path], cwd: Optional[Path] = None, error: Optional[BaseException] = None) -> str:
+    """What follows a failed stage's error line: its log's path and the log's last lines that matter,
+    but for a full disk (`error`, said in the project's words: cudabuild.engine.room), whose one
+    line says what filled and what to do: a library that met it first printed its own traceback of
+    it in the log, which would only say the same in other words."""
+    from cudabuild.engine import room
+
     if log is None or not log.exists():
         return ""
     try:
         shown = log.relative_to(cwd or Path.cwd())
     except ValueError:
         shown = log
-    tail = terminal.lines_that_matter(log)
+    tail = [] if error is not None and room.said(error) is not None else terminal.lines_that_matter(log)
     return f"\n  log: {shown}" + "".join(f"\n  | {line}" for line in tail)
 
 
